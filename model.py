@@ -1,0 +1,300 @@
+"""
+A Llama-family decoder, written out by hand so that every line can be read.
+
+The architecture is the one shared by Llama 2/3, SmolLM2 and (with two extra norms and
+ternary linears) BitNet b1.58 2B4T:
+
+    x = embed(idx)
+    for each block:
+        x = x + o_proj(sub_norm(attention(rope(q), rope(k), v)))     q, k, v from norm(x)
+        x = x + down_proj(sub_norm(act(gate_proj(h)) * up_proj(h)))  h = norm(x)
+    logits = lm_head(norm(x))
+
+- RMSNorm instead of LayerNorm, rotary position embeddings (RoPE, Su et al. 2021),
+  grouped-query attention (GQA, Ainslie et al. 2023) through PyTorch's fused SDPA kernel,
+  and a gated MLP with SiLU (Llama) or ReLU^2 (BitNet b1.58 2B4T).
+- SubLN: the two `*_sub_norm` RMSNorms are Identity in a plain Llama. BitNet inserts them
+  before the output projections so that the activations entering the ternary o_proj and
+  down_proj are well scaled (Wang et al. 2023; see bitlinear.py).
+- Module names are the Hugging Face ones (`q_proj`, `input_layernorm`, ...), so a
+  checkpoint's tensors map onto ours by adding a `model.` prefix, and `save_pretrained`
+  writes a directory that transformers opens as `LlamaForCausalLM` (fp) or
+  `BitNetForCausalLM` (ternary, online quantization).
+"""
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from bitlinear import BitLinear, convert_to_bitnet
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 320
+    n_layer: int = 4
+    n_embd: int = 256
+    n_head: int = 4
+    n_kv_head: int = 4
+    head_dim: int = 0            # 0 means n_embd // n_head
+    intermediate_size: int = 688
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    max_seq_len: int = 2048      # length of the precomputed RoPE table
+    tie_embeddings: bool = True
+    act: str = 'silu'            # 'silu' (Llama, SmolLM2) or 'relu2' (BitNet b1.58 2B4T)
+    attention_bias: bool = False
+    subln: bool = False          # the two extra RMSNorms of BitNet (always on when bitnet)
+    bitnet: bool = False         # attention/MLP linears are ternary BitLinear
+
+    def __post_init__(self):
+        self.head_dim = self.head_dim or self.n_embd // self.n_head
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}")
+        if self.act not in ('silu', 'relu2'):
+            raise ValueError(f"act={self.act!r} is not supported; use 'silu' or 'relu2'")
+
+
+class Attention(nn.Module):
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        C, bias = cfg.n_embd, cfg.attention_bias
+        self.q_proj = nn.Linear(C, cfg.n_head * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(C, cfg.n_kv_head * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(C, cfg.n_kv_head * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, C, bias=bias)
+        self.attn_sub_norm = nn.RMSNorm(C, eps=cfg.norm_eps) if cfg.subln else nn.Identity()
+
+    def forward(self, x, cos, sin, cache=None, pos=0):
+        B, T, _ = x.shape
+        # (B, T, nh*hs) -> (B, nh, T, hs); K and V have fewer (shared) heads under GQA
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:  # write this step's K/V, then attend over everything so far
+            cache[0][:, :, pos:pos + T], cache[1][:, :, pos:pos + T] = k, v
+            k, v = cache[0][:, :, :pos + T], cache[1][:, :, :pos + T]
+        # a single new token may look at the whole cache, so only a multi-token step is causal
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=self.n_kv_head != self.n_head)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hs)
+        return self.o_proj(self.attn_sub_norm(y))
+
+
+class MLP(nn.Module):
+
+    def __init__(self, cfg):
+        super().__init__()
+        C, H = cfg.n_embd, cfg.intermediate_size
+        self.gate_proj = nn.Linear(C, H, bias=False)
+        self.up_proj = nn.Linear(C, H, bias=False)
+        self.down_proj = nn.Linear(H, C, bias=False)
+        self.ffn_sub_norm = nn.RMSNorm(H, eps=cfg.norm_eps) if cfg.subln else nn.Identity()
+        self.act = F.silu if cfg.act == 'silu' else lambda g: F.relu(g).square()
+
+    def forward(self, x):
+        return self.down_proj(self.ffn_sub_norm(self.act(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class Block(nn.Module):
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cache=None, pos=0):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, pos)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def rope_table(head_dim, max_seq_len, theta):
+    # the rotation angle of pair i at position t is t * theta^(-2i/d), in fp32 as in Llama
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len).float(), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)  # (T, hs): the "rotate half" layout of HF Llama
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    # x: (B, nh, T, hs). Pairs are (x[i], x[i + hs/2]), not adjacent elements, as in HF Llama.
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+
+
+class Transformer(nn.Module):
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        cos, sin = rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer('cos', cos, persistent=False)
+        self.register_buffer('sin', sin, persistent=False)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith(('o_proj.weight', 'down_proj.weight')):
+                # GPT-2's scaled init: each residual branch adds variance, so shrink the last layer
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        if cfg.bitnet:
+            self.to_bitnet()
+
+    def _init_weights(self, m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def to_bitnet(self):
+        """Swap every attention/MLP linear for a ternary BitLinear and insert SubLN (gain 1)."""
+        convert_to_bitnet(self.layers, eps=self.config.norm_eps)
+        self.config.bitnet = self.config.subln = True
+        return self
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())  # tied weights are counted once
+
+    def forward(self, idx, cache=None, pos=0):
+        B, T = idx.shape
+        if pos + T > self.config.max_seq_len:
+            raise ValueError(f"sequence of {pos + T} tokens exceeds max_seq_len={self.config.max_seq_len}")
+        x = self.embed_tokens(idx)  # (B, T, C)
+        cos, sin = self.cos[pos:pos + T].to(x.dtype), self.sin[pos:pos + T].to(x.dtype)
+        for i, block in enumerate(self.layers):
+            x = block(x, cos, sin, None if cache is None else cache[i], pos)
+        return self.lm_head(self.norm(x))  # (B, T, vocab)
+
+    def flops_per_token(self, T):
+        # 6 flops per parameter per token (forward + backward) plus attention's QK^T and AV
+        cfg = self.config
+        return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, eos_id=None):
+        """Sample continuations of idx (B, T) with a KV cache: the prompt is run once, then
+        each new token costs one single-position forward pass."""
+        cfg, (B, T) = self.config, idx.shape
+        p = next(self.parameters())
+        shape = (B, cfg.n_kv_head, T + max_new_tokens, cfg.head_dim)
+        cache = [(torch.empty(shape, device=p.device, dtype=p.dtype), torch.empty(shape, device=p.device, dtype=p.dtype))
+                 for _ in range(cfg.n_layer)]
+        logits, pos = self(idx, cache, 0), 0
+        for _ in range(max_new_tokens):
+            logits = logits[:, -1, :].float()
+            if temperature == 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                    logits[logits < v[:, [-1]]] = -float('inf')
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            idx, pos = torch.cat((idx, nxt), dim=1), idx.size(1)
+            if eos_id is not None and (nxt == eos_id).all():
+                break
+            logits = self(nxt, cache, pos)
+        return idx
+
+    # ---------------------------------------------------------------- Hugging Face format
+
+    @classmethod
+    def from_pretrained(cls, path, dtype=torch.float32):
+        """Load a Hugging Face Llama or BitNet (online) checkpoint directory: config.json plus
+        model.safetensors, or shards listed in model.safetensors.index.json."""
+        if not os.path.isfile(os.path.join(path, 'config.json')):
+            raise FileNotFoundError(f"{path!r} is not a checkpoint directory (no config.json in it)")
+        with open(os.path.join(path, 'config.json')) as f:
+            hf = json.load(f)
+        model = cls(config_from_hf(hf))
+        index = os.path.join(path, 'model.safetensors.index.json')
+        if os.path.exists(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)['weight_map'].values()))
+        else:
+            files = ['model.safetensors']
+        sd = {}
+        for name in files:
+            file = os.path.join(path, name)
+            try:
+                sd.update(load_file(file))
+            except (OSError, SafetensorError) as e:
+                raise ValueError(f"cannot read {file} ({e}); re-download or re-save the checkpoint") from None
+        sd = {k.removeprefix('model.'): v.to(dtype) for k, v in sd.items() if not k.endswith('rotary_emb.inv_freq')}
+        if model.config.tie_embeddings:
+            sd.pop('lm_head.weight', None)
+        own = {k for k in model.state_dict() if not (model.config.tie_embeddings and k == 'lm_head.weight')}
+        missing, unexpected = own - sd.keys(), sd.keys() - own
+        if missing or unexpected:
+            raise ValueError(f"checkpoint {path!r} does not match its config.json: "
+                             f"missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
+        model.load_state_dict(sd, strict=False)
+        return model.to(dtype)
+
+    def save_pretrained(self, path):
+        """Write config.json + model.safetensors that transformers loads as LlamaForCausalLM,
+        or as BitNetForCausalLM (latent weights, quantized online) for a ternary model."""
+        os.makedirs(path, exist_ok=True)
+        sd = {('' if k.startswith('lm_head') else 'model.') + k: v.detach().contiguous()
+              for k, v in self.state_dict().items()}
+        if self.config.tie_embeddings:
+            sd.pop('lm_head.weight')  # safetensors stores a tensor once; HF re-ties on load
+        save_file(sd, os.path.join(path, 'model.safetensors'), metadata={'format': 'pt'})
+        with open(os.path.join(path, 'config.json'), 'w') as f:
+            json.dump(config_to_hf(self.config, next(self.parameters()).dtype), f, indent=2)
+
+
+HF_KEYS = dict(vocab_size='vocab_size', n_layer='num_hidden_layers', n_embd='hidden_size',
+               n_head='num_attention_heads', n_kv_head='num_key_value_heads', head_dim='head_dim',
+               intermediate_size='intermediate_size', norm_eps='rms_norm_eps',
+               max_seq_len='max_position_embeddings', tie_embeddings='tie_word_embeddings',
+               act='hidden_act', attention_bias='attention_bias')
+
+
+def config_from_hf(hf):
+    kind = hf.get('model_type')
+    if kind not in ('llama', 'bitnet'):
+        raise ValueError(f"model_type {kind!r} is not supported; use a Llama-layout checkpoint (llama, bitnet)")
+    rope = hf.get('rope_parameters') or hf.get('rope_scaling') or {}
+    if rope.get('rope_type', rope.get('type', 'default')) != 'default':
+        raise ValueError(f"rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported; only plain RoPE is")
+    if hf.get('mlp_bias'):
+        raise ValueError("mlp_bias=true is not supported; Llama-family MLPs here have no bias")
+    quant = hf.get('quantization_config') or {}
+    if kind == 'bitnet' and quant.get('quantization_mode', 'online') != 'online':
+        raise ValueError("packed (offline) BitNet checkpoints cannot be loaded for training; use the online format")
+    kw = {ours: hf[theirs] for ours, theirs in HF_KEYS.items() if hf.get(theirs) is not None}
+    kw['rope_theta'] = float(rope.get('rope_theta', hf.get('rope_theta', 10000.0)))
+    kw.setdefault('tie_embeddings', False)  # the Llama default
+    kw['bitnet'] = kw['subln'] = kind == 'bitnet'
+    return ModelConfig(**kw)
+
+
+def config_to_hf(cfg, dtype):
+    hf = {theirs: getattr(cfg, ours) for ours, theirs in HF_KEYS.items()}
+    hf.update(rope_theta=cfg.rope_theta, rope_parameters={'rope_type': 'default', 'rope_theta': cfg.rope_theta},
+              dtype=str(dtype).removeprefix('torch.'), mlp_bias=False, model_type='llama',
+              architectures=['LlamaForCausalLM'])
+    if cfg.bitnet:
+        if cfg.head_dim * cfg.n_head != cfg.n_embd:
+            raise ValueError("BitNetForCausalLM needs head_dim * n_head == n_embd")
+        hf.update(model_type='bitnet', architectures=['BitNetForCausalLM'],
+                  quantization_config={'quant_method': 'bitnet', 'linear_class': 'autobitlinear',
+                                       'quantization_mode': 'online'})
+    elif cfg.subln:
+        raise ValueError("an fp model with SubLN has no transformers class; convert it to BitNet first")
+    return hf
