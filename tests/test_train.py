@@ -1,0 +1,104 @@
+"""train.py and sample.py end to end, as a user runs them: real processes, real files."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ['--n_layer=1', '--n_embd=32', '--n_head=2', '--n_kv_head=1', '--intermediate_size=64', '--batch_size=4',
+        '--block_size=32', '--eval_iters=2', '--log_interval=1', '--sample_tokens=0', '--warmup_steps=2']
+
+
+def run(args, script='train.py', env=None):
+    return subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+
+
+def log(out_dir):
+    with open(os.path.join(out_dir, 'log.jsonl')) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_train_then_resume_carries_on_step_and_lr(tmp_path):
+    out = str(tmp_path / 'out')
+    r = run([*TINY, f'--out_dir={out}', '--max_steps=8', '--eval_interval=4'])
+    assert r.returncode == 0, r.stderr
+    straight = log(out)
+    assert [rec['step'] for rec in straight] == list(range(1, 9))
+    assert all('val_loss' in rec for rec in straight if rec['step'] in (4, 8))
+    assert sorted(os.listdir(out))[-1] == 'log.jsonl'
+    ckpts = sorted(d for d in os.listdir(out) if d.startswith('ckpt_'))
+    assert ckpts[-1] == 'ckpt_0000008'
+    assert {'config.json', 'model.safetensors', 'train_state.pt'} <= set(os.listdir(os.path.join(out, ckpts[-1])))
+
+    # an interrupted run: its last checkpoint is at step 4; resume must carry on from there
+    out2 = str(tmp_path / 'out2')
+    assert run([*TINY, f'--out_dir={out2}', '--max_steps=8', '--eval_interval=4', '--ckpt_interval=4']).returncode == 0
+    import shutil
+    shutil.rmtree(os.path.join(out2, 'ckpt_0000008'))
+    os.remove(os.path.join(out2, 'log.jsonl'))
+    r = run([*TINY, f'--out_dir={out2}', '--max_steps=8', '--eval_interval=4', '--init_from=resume'])
+    assert r.returncode == 0, r.stderr
+    assert 'resumed from' in r.stdout and 'at step 4' in r.stdout
+    resumed = log(out2)
+    assert [rec['step'] for rec in resumed] == [5, 6, 7, 8]
+    assert [rec['lr'] for rec in resumed] == [rec['lr'] for rec in straight[4:]]
+    assert resumed[-1]['tokens'] == straight[-1]['tokens']
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--batch_sise=4'], "error: unknown config key 'batch_sise'; did you mean --batch_size?"),
+    (['--batch_size=big'], "error: batch_size must be int, got 'big' (str)"),
+    (['--init_from=/no/such/dir'], "error: cannot load '/no/such/dir': '/no/such/dir' is not a checkpoint directory"),
+    (['--init_from=resume', '--out_dir=/no/such/out'], "error: no checkpoint in '/no/such/out' to resume from"),
+    (['no_such_config.py'], "error: config file 'no_such_config.py' not found"),
+])
+def test_user_errors_are_one_line(args, message):
+    r = run(args)
+    assert r.returncode != 0
+    assert r.stderr.strip().startswith(message), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and 'Traceback' not in r.stderr
+
+
+def test_corrupt_checkpoint_is_one_line_error_and_kept(tmp_path):
+    out = str(tmp_path / 'out')
+    assert run([*TINY, f'--out_dir={out}', '--max_steps=2', '--eval_interval=2']).returncode == 0
+    ckpt = os.path.join(out, 'ckpt_0000002')
+    with open(os.path.join(ckpt, 'model.safetensors'), 'r+b') as f:
+        f.truncate(100)
+    r = run([*TINY, f'--out_dir={tmp_path}/new', f'--init_from={ckpt}'])
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1
+    assert 'cannot read' in r.stderr and 'model.safetensors' in r.stderr and 'Traceback' not in r.stderr
+    assert os.path.getsize(os.path.join(ckpt, 'model.safetensors')) == 100  # nothing was overwritten
+
+
+def test_fine_tune_from_hf_dir_converts_to_bitnet_and_samples(tmp_path):
+    from model import ModelConfig, Transformer
+    src = str(tmp_path / 'fp')
+    Transformer(ModelConfig(vocab_size=320, n_layer=1, n_embd=32, n_head=2, n_kv_head=1, intermediate_size=64,
+                            max_seq_len=64, tie_embeddings=False)).save_pretrained(src)
+    out = str(tmp_path / 'out')
+    r = run([*TINY, f'--out_dir={out}', f'--init_from={src}', '--max_steps=2', '--eval_interval=2'])
+    assert r.returncode == 0, r.stderr
+    assert 'ternary model' in r.stdout
+    cfg = json.load(open(os.path.join(out, 'ckpt_0000002', 'config.json')))
+    assert cfg['architectures'] == ['BitNetForCausalLM'] and cfg['tie_word_embeddings'] is False
+    r = run([f'--ckpt={out}', '--num_tokens=10', '--prompt=Hello'], script='sample.py')
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith('Hello') and 'tokens/s' in r.stdout
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_on_cpu(tmp_path):
+    out = str(tmp_path / 'out')
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', 'train.py', *TINY,
+           f'--out_dir={out}', '--max_steps=3', '--eval_interval=3', '--gradient_accumulation_steps=2']
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert 'tokens per optimizer step: 256 (2 ranks)' in r.stdout
+    recs = log(out)
+    assert [rec['step'] for rec in recs] == [1, 2, 3] and recs[-1]['tokens'] == 3 * 256
+    assert os.path.isdir(os.path.join(out, 'ckpt_0000003'))
