@@ -52,13 +52,16 @@ class BitLinear(nn.Linear):
         super().__init__(in_features, out_features, bias, device, dtype)
         # a tensor, not a float, so that changing it during warmup does not recompile
         self.register_buffer('lam', torch.ones((), device=device), persistent=False)
+        self.lrc_u = self.lrc_v = None  # the optional low-rank correction, see add_lrc
 
     def forward(self, x):
         w_q, gamma = weight_quant(self.weight)
         w = self.weight + self.lam * (w_q * gamma - self.weight).detach()
         x_q, s = activation_quant(x)
-        x = x + (self.lam * (x_q / s - x.float())).to(x.dtype).detach()
-        return F.linear(x, w.to(x.dtype), self.bias)
+        y = F.linear(x + (self.lam * (x_q / s - x.float())).to(x.dtype).detach(), w.to(x.dtype), self.bias)
+        if self.lrc_u is not None:  # the correction sees the unquantized input
+            y = y + F.linear(F.linear(x, self.lrc_v), self.lrc_u)
+        return y
 
 
 TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
@@ -78,6 +81,22 @@ def convert_to_bitnet(module, eps=1e-5, targets=TARGETS):
             if isinstance(getattr(parent, norm, None), nn.Identity):
                 w = getattr(parent, proj).weight
                 setattr(parent, norm, nn.RMSNorm(w.shape[1], eps=eps, device=w.device, dtype=w.dtype))
+    return module
+
+
+def add_lrc(module, rank):
+    """Low-rank correction (LRC): y = BitLinear(x) + U (V^T x), with fp factors U (out, r) and
+    V^T (r, in) acting on the unquantized input. They start as the rank-r truncated SVD of
+    the quantization residual W - gamma * W_q, so the layer starts as close to its fp self
+    as rank r allows. (Both factors at zero would never move: each one's gradient is
+    proportional to the other.)"""
+    for m in module.modules():
+        if isinstance(m, BitLinear):
+            w_q, gamma = weight_quant(m.weight)
+            U, S, Vh = torch.linalg.svd(m.weight.detach().float() - gamma * w_q, full_matrices=False)
+            root = S[:rank].sqrt()  # split the singular values evenly between the factors
+            m.lrc_u = nn.Parameter((U[:, :rank] * root).to(m.weight.dtype))
+            m.lrc_v = nn.Parameter((root[:, None] * Vh[:rank]).to(m.weight.dtype))
     return module
 
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from bitlinear import BitLinear, convert_to_bitnet
+from bitlinear import add_lrc, convert_to_bitnet
 
 
 @dataclass
@@ -52,6 +52,7 @@ class ModelConfig:
     attention_bias: bool = False
     subln: bool = False          # the two extra RMSNorms of BitNet (always on when bitnet)
     bitnet: bool = False         # attention/MLP linears are ternary BitLinear
+    lrc_rank: int = 0            # rank of the low-rank correction on each BitLinear (0: none)
 
     def __post_init__(self):
         self.head_dim = self.head_dim or self.n_embd // self.n_head
@@ -73,18 +74,23 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, C, bias=bias)
         self.attn_sub_norm = nn.RMSNorm(C, eps=cfg.norm_eps) if cfg.subln else nn.Identity()
 
-    def forward(self, x, cos, sin, cache=None, pos=0):
+    def forward(self, x, cos, sin, cache=None, pos=0, causal=True, qkv=None):
         B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, T, nh*hs), (B, T, nkv*hs) x2
+        if qkv is not None:  # hand the projections' outputs to attention-relation distillation
+            qkv += [q, k, v]
         # (B, T, nh*hs) -> (B, nh, T, hs); K and V have fewer (shared) heads under GQA
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:  # write this step's K/V, then attend over everything so far
             cache[0][:, :, pos:pos + T], cache[1][:, :, pos:pos + T] = k, v
             k, v = cache[0][:, :, :pos + T], cache[1][:, :, :pos + T]
-        # a single new token may look at the whole cache, so only a multi-token step is causal
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=self.n_kv_head != self.n_head)
+        # a single new token may look at the whole cache, so only a multi-token step is causal;
+        # causal=False is the bidirectional attention of masked diffusion
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal and T > 1,
+                                           enable_gqa=self.n_kv_head != self.n_head)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hs)
         return self.o_proj(self.attn_sub_norm(y))
 
@@ -113,8 +119,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache=None, pos=0):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, pos)
+    def forward(self, x, cos, sin, cache=None, pos=0, causal=True, qkv=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, pos, causal, qkv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -153,6 +159,8 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
         if cfg.bitnet:
             self.to_bitnet()
+        if cfg.lrc_rank:
+            add_lrc(self.layers, cfg.lrc_rank)
 
     def _init_weights(self, m):
         if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -166,18 +174,31 @@ class Transformer(nn.Module):
         self.config.bitnet = self.config.subln = True
         return self
 
+    def add_lrc(self, rank):
+        """Give every BitLinear a low-rank fp correction, initialised from its current weights."""
+        add_lrc(self.layers, rank)
+        self.config.lrc_rank = rank
+        return self
+
     def num_params(self):
         return sum(p.numel() for p in self.parameters())  # tied weights are counted once
 
-    def forward(self, idx, cache=None, pos=0):
+    def forward(self, idx, cache=None, pos=0, causal=True, hidden=False, qkv_layer=None):
+        """Logits (B, T, vocab). Distillation asks for more: with hidden=True or a qkv_layer it
+        returns (logits, {'hidden': [each block's output], 'qkv': [q, k, v] of that layer})."""
         B, T = idx.shape
         if pos + T > self.config.max_seq_len:
             raise ValueError(f"sequence of {pos + T} tokens exceeds max_seq_len={self.config.max_seq_len}")
         x = self.embed_tokens(idx)  # (B, T, C)
         cos, sin = self.cos[pos:pos + T].to(x.dtype), self.sin[pos:pos + T].to(x.dtype)
+        feats = {'hidden': [], 'qkv': []}
         for i, block in enumerate(self.layers):
-            x = block(x, cos, sin, None if cache is None else cache[i], pos)
-        return self.lm_head(self.norm(x))  # (B, T, vocab)
+            x = block(x, cos, sin, None if cache is None else cache[i], pos, causal,
+                      feats['qkv'] if i == qkv_layer else None)
+            if hidden:
+                feats['hidden'].append(x)
+        logits = self.lm_head(self.norm(x))  # (B, T, vocab)
+        return (logits, feats) if hidden or qkv_layer is not None else logits
 
     def flops_per_token(self, T):
         # 6 flops per parameter per token (forward + backward) plus attention's QK^T and AV
@@ -185,9 +206,10 @@ class Transformer(nn.Module):
         return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, eos_id=None):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, eos_id=None, vocab=None):
         """Sample continuations of idx (B, T) with a KV cache: the prompt is run once, then
-        each new token costs one single-position forward pass."""
+        each new token costs one single-position forward pass. `vocab` excludes the padding
+        rows of an embedding larger than the tokenizer."""
         cfg, (B, T) = self.config, idx.shape
         p = next(self.parameters())
         shape = (B, cfg.n_kv_head, T + max_new_tokens, cfg.head_dim)
@@ -195,7 +217,7 @@ class Transformer(nn.Module):
                  for _ in range(cfg.n_layer)]
         logits, pos = self(idx, cache, 0), 0
         for _ in range(max_new_tokens):
-            logits = logits[:, -1, :].float()
+            logits = logits[:, -1, :vocab].float()
             if temperature == 0:
                 nxt = logits.argmax(-1, keepdim=True)
             else:
@@ -262,7 +284,7 @@ HF_KEYS = dict(vocab_size='vocab_size', n_layer='num_hidden_layers', n_embd='hid
                n_head='num_attention_heads', n_kv_head='num_key_value_heads', head_dim='head_dim',
                intermediate_size='intermediate_size', norm_eps='rms_norm_eps',
                max_seq_len='max_position_embeddings', tie_embeddings='tie_word_embeddings',
-               act='hidden_act', attention_bias='attention_bias')
+               act='hidden_act', attention_bias='attention_bias', lrc_rank='lrc_rank')
 
 
 def config_from_hf(hf):

@@ -47,7 +47,7 @@ torch.manual_seed(seed)
 idx = torch.tensor([enc.encode_ordinary(prompt)], device=device)
 num_tokens = min(num_tokens, model.config.max_seq_len - idx.size(1))
 t0 = time.time()
-out = model.generate(idx, num_tokens, temperature=temperature, top_k=top_k)
+out = model.generate(idx, num_tokens, temperature=temperature, top_k=top_k, vocab=enc.n_vocab)
 dt = time.time() - t0
 print(enc.decode(out[0].tolist()))
 kind = 'ternary' if model.config.bitnet else 'fp'

@@ -20,14 +20,15 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bitlinear import set_lambda
 from configurator import configure
 from data import get_batch, get_tokenizer, offline_corpus
 from model import ModelConfig, Transformer
+from objectives import OBJECTIVES, CurriculumScheduler, LocalTeacher, ObjectiveManager, RemoteTeacher, ce_loss
 
+_imported = set(globals())  # everything defined below, up to the ruler, is a setting
 # -----------------------------------------------------------------------------
 # default settings: a tiny ternary model on the offline corpus, trained on the CPU
 # I/O
@@ -55,6 +56,15 @@ rope_theta = 10000.0
 tie_embeddings = True
 bitnet = True          # ternary attention/MLP linears with SubLN; False gives the fp twin
 lambda_warmup = 0      # optimizer steps over which quantization ramps from fp (0) to ternary (1)
+lrc_rank = 0           # low-rank correction adapters on every BitLinear (0: none)
+# objectives: name -> settings (see objectives.py), weighed by a curriculum of phases
+# [(end as a fraction of max_steps, {name: weight}), ...], switched or blended ('linear', 'cosine')
+objectives = {'ce': {}}
+curriculum = [(1.0, {'ce': 1.0})]
+blend = 'switch'
+teacher = ''           # '' (none), a checkpoint / HF directory (local, frozen), or a vLLM URL http://...
+teacher_model = ''     # the model name a vLLM teacher serves
+teacher_top_k = 20     # logprobs per position from a vLLM teacher
 # optimizer: AdamW, linear warmup then cosine decay to min_lr at max_steps
 max_steps = 300
 learning_rate = 3e-3   # BitNet trains best with a larger LR than its fp twin
@@ -71,8 +81,7 @@ compile = False
 seed = 1337
 peak_flops = 989e12    # for MFU: the accelerator's dense bf16 peak (H100 SXM)
 # -----------------------------------------------------------------------------
-config = configure({k: v for k, v in globals().items() if not k.startswith('_') and
-                    isinstance(v, (int, float, bool, str, type(None)))}, sys.argv[1:])
+config = configure({k: v for k, v in globals().items() if k not in _imported and not k.startswith('_')}, sys.argv[1:])
 globals().update(config)
 
 # DDP: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE
@@ -109,11 +118,21 @@ def batch(data, rng):
     return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
-def checkpoints():
-    """Complete checkpoints in out_dir, oldest first. An interrupted save never gets a
+def checkpoints(folder):
+    """Complete checkpoints in a run's folder, oldest first. An interrupted save never gets a
     ckpt_ name: it is written under .tmp_ and renamed only once complete."""
-    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
-    return sorted(os.path.join(out_dir, n) for n in names if n.startswith('ckpt_'))
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return sorted(os.path.join(folder, n) for n in names if n.startswith('ckpt_'))
+
+
+def load(src):
+    """A model from an HF directory, or from the latest checkpoint of a run's out_dir."""
+    if not os.path.exists(os.path.join(src, 'config.json')) and checkpoints(src):
+        src = checkpoints(src)[-1]
+    try:
+        return Transformer.from_pretrained(src), src
+    except (OSError, ValueError, RuntimeError) as e:
+        sys.exit(f"error: cannot load {src!r}: {e}")
 
 
 # model: from scratch, from the last checkpoint, or from a Hugging Face directory
@@ -124,30 +143,45 @@ if init_from == 'scratch':
         n_kv_head=n_kv_head, intermediate_size=intermediate_size, rope_theta=rope_theta, act=act,
         max_seq_len=block_size, tie_embeddings=tie_embeddings, bitnet=bitnet))
 else:
-    src = init_from
+    if init_from == 'resume' and not checkpoints(out_dir):
+        sys.exit(f"error: no checkpoint in {out_dir!r} to resume from; train once first or set --out_dir")
+    model, src = load(out_dir if init_from == 'resume' else init_from)
     if init_from == 'resume':
-        if not checkpoints():
-            sys.exit(f"error: no checkpoint in {out_dir!r} to resume from; train once first or set --out_dir")
-        src = checkpoints()[-1]
-    try:
-        model = Transformer.from_pretrained(src)
-        if init_from == 'resume':
-            state = torch.load(os.path.join(src, 'train_state.pt'), weights_only=True)
-    except (OSError, ValueError, RuntimeError) as e:
-        sys.exit(f"error: cannot load {src!r}: {e}")
+        state = torch.load(os.path.join(src, 'train_state.pt'), weights_only=True)
+        step, best_val, best_step = state['step'], state['best_val'], state['best_step']
     if enc.n_vocab > model.config.vocab_size:
         sys.exit(f"error: tokenizer {tokenizer!r} has {enc.n_vocab} tokens but the model only {model.config.vocab_size}; use the model's tokenizer")
     if model.config.max_seq_len < block_size:
         sys.exit(f"error: block_size={block_size} exceeds the model's max_seq_len={model.config.max_seq_len}")
     if bitnet and not model.config.bitnet:
         model.to_bitnet()
-    if state is not None:
-        step, best_val, best_step = state['step'], state['best_val'], state['best_step']
+if lrc_rank and not model.config.lrc_rank:
+    model.add_lrc(lrc_rank)  # from the (converted) weights: the SVD of their quantization residual
 model.to(device)
 raw_model = model
 if master:
     kind = 'ternary' if raw_model.config.bitnet else 'fp'
     print(f"{kind} model: {raw_model.num_params() / 1e6:.2f}M parameters, init_from={init_from}")
+
+# objectives and the teacher they distil from
+if teacher.startswith(('http://', 'https://')):
+    teacher_net = RemoteTeacher(teacher, teacher_model, top_k=teacher_top_k)
+elif teacher:
+    teacher_net = LocalTeacher(load(teacher)[0], device, ptdtype)
+    if teacher_net.model.config.vocab_size != raw_model.config.vocab_size:
+        sys.exit(f"error: teacher vocab {teacher_net.model.config.vocab_size} != student vocab {raw_model.config.vocab_size}; both must share a tokenizer")
+else:
+    teacher_net = None
+unknown = set(objectives) - set(OBJECTIVES)
+if unknown:
+    sys.exit(f"error: unknown objectives {sorted(unknown)}; choose from {sorted(OBJECTIVES)}")
+if 'diffusion' in objectives:  # a dedicated mask token, never end-of-text
+    objectives['diffusion'].setdefault('mask_id', enc.encode('<|mask|>', allowed_special='all')[0])
+try:
+    manager = ObjectiveManager({n: OBJECTIVES[n](**kw) for n, kw in objectives.items()},
+                               CurriculumScheduler(curriculum, blend), teacher_net, raw_model.config.n_layer)
+except (TypeError, ValueError) as e:
+    sys.exit(f"error: objectives/curriculum: {e}")
 
 # optimizer: weight decay on matrices (linears, embeddings), none on norms and biases
 params = [p for p in model.parameters() if p.requires_grad]
@@ -160,7 +194,7 @@ if state is not None:
     optimizer.load_state_dict(state['optimizer'])
     scaler.load_state_dict(state['scaler'])
     if master:
-        print(f"resumed from {checkpoints()[-1]} at step {step} (best val {best_val:.4f})")
+        print(f"resumed from {src} at step {step} (best val {best_val:.4f})")
 if compile:
     model = torch.compile(model)
 if ddp:
@@ -172,10 +206,6 @@ def get_lr(step):
         return learning_rate * (step + 1) / warmup_steps
     ratio = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
-
-
-def loss_fn(logits, y):
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
 
 
 def all_mean(x):
@@ -193,7 +223,7 @@ def evaluate():
     for i in range(eval_iters):
         x, y = batch(val_data, rng)
         with ctx:
-            losses[i] = loss_fn(model(x), y)
+            losses[i] = ce_loss(model(x), y)
     model.train()
     return all_mean(losses.mean()).item()  # a CPU-GPU sync
 
@@ -209,7 +239,7 @@ def save_checkpoint(step):
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     best = os.path.join(out_dir, f'ckpt_{best_step:07d}')
-    for old in checkpoints()[:-keep_last]:
+    for old in checkpoints(out_dir)[:-keep_last]:
         if old != best:
             shutil.rmtree(old)
     print(f"saved {final}")
@@ -228,14 +258,16 @@ while step < max_steps:
         group['lr'] = lr
     if lambda_warmup:
         set_lambda(raw_model, min(1.0, step / lambda_warmup))
-    loss_sum = torch.zeros((), device=device)
+    loss_sum, metrics = torch.zeros((), device=device), {}
     for micro in range(gradient_accumulation_steps):
         if ddp:  # all-reduce the gradients only once, after the last micro-step
             model.require_backward_grad_sync = micro == gradient_accumulation_steps - 1
         with ctx:
-            loss = loss_fn(model(x), y)
+            loss, parts = manager(model, {'x': x, 'y': y}, step / max_steps)
         x, y = batch(train_data, rng)  # fetch the next batch while the backward runs on GPU
         loss_sum += loss.detach()
+        for k, v in parts.items():  # the mean over micro-steps, like the loss
+            metrics[k] = metrics.get(k, 0.0) + v / gradient_accumulation_steps
         scaler.scale(loss / gradient_accumulation_steps).backward()
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float('inf'))
@@ -254,6 +286,7 @@ while step < max_steps:
         tok_per_s = tokens_per_step * (step - step_last) / (now - t_last)
         rec = {'step': step, 'loss': train_loss, 'lr': lr, 'grad_norm': grad_norm.item(),
                'tokens': tokens_seen, 'tok_per_s': round(tok_per_s), 'time_s': round(now - t_start, 2)}
+        rec.update({k: all_mean(v).item() if torch.is_tensor(v) else v for k, v in metrics.items()})
         if device_type == 'cuda':
             rec['mfu'] = raw_model.flops_per_token(block_size) * tok_per_s / (world_size * peak_flops)
         if is_eval:
@@ -276,7 +309,7 @@ if master and sample_tokens:
     prompt = torch.tensor([enc.encode_ordinary('The ')], device=device)
     with ctx:
         n = min(sample_tokens, raw_model.config.max_seq_len - prompt.size(1))  # stay within trained positions
-        out = raw_model.eval().generate(prompt, n, temperature=0.8, top_k=50)
+        out = raw_model.eval().generate(prompt, n, temperature=0.8, top_k=50, vocab=enc.n_vocab)
     print('-' * 40 + '\n' + enc.decode(out[0].tolist()) + '\n' + '-' * 40)
 if ddp:
     dist.destroy_process_group()

@@ -1,0 +1,333 @@
+"""
+Training objectives, the curriculum that weighs them, and the teachers they learn from.
+
+A ternary model trained from its fp self by cross-entropy alone loses quality; BitDistill
+(Wu et al. 2025) recovers it by distilling from the fp model along a curriculum:
+continued pretraining, then CE + logits distillation + attention-relation distillation.
+Each loss here is a small `Objective`; the `ObjectiveManager` runs the student (and the
+teacher) once, hands each active objective what it asked for, and sums the weighted
+losses. The `CurriculumScheduler` says how much each objective weighs at each point of
+training; an objective at weight 0 costs nothing, not even a forward pass.
+
+The losses (REFERENCE.md section 4):
+- `ce`         next-token cross-entropy on counted tokens (continued pretraining, SFT)
+- `kd`         logits distillation, forward KL at temperature T, times T^2 (Hinton et al. 2015);
+               dense, or sparse from a remote teacher's top-k logprobs
+- `attn`       attention-relation distillation (MiniLMv2, Wang et al. 2021) at one layer
+- `hidden`     hidden-state distillation: MSE of L2-normalised states, depths mapped
+- `diffusion`  masked-diffusion LM (MDLM, Sahoo et al. 2024; LLaDA, Nie et al. 2025)
+- `lrc`        low-rank correction: the student's block outputs regress onto the teacher's
+- `dpo`        direct preference optimisation (Rafailov et al. 2023), the teacher as reference
+
+This file needs only torch (and requests for the remote teacher) and a model that is
+called as model(idx, causal=..., hidden=..., qkv_layer=...) like model.py's Transformer.
+"""
+import math
+import time
+
+import requests
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100  # a target that does not count (padding, SFT prompts)
+
+
+class Objective:
+    """A loss. `features` says what it needs from the shared forward pass of the student
+    (and of the teacher, when `needs_teacher`); an objective with `own_forward` instead
+    runs the model itself, on inputs it makes (masked diffusion, preference pairs)."""
+    needs_teacher = False
+    own_forward = False
+    features = {}  # e.g. {'hidden': True, 'qkv_layer': 2}
+
+    def preprocess(self, batch):
+        return batch
+
+    def loss(self, batch, s, t):
+        """s, t: {'logits', 'hidden', 'qkv'} of student and teacher. Returns a scalar."""
+        raise NotImplementedError
+
+
+def ce_loss(logits, y):
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+
+
+class CrossEntropy(Objective):
+
+    def loss(self, batch, s, t):
+        return ce_loss(s['logits'], batch['y'])
+
+
+def kd_per_token(z_s, z_t, T):
+    """T^2 * KL(p_t || p_s) for every position, p = softmax(z / T): (B, T_len)."""
+    log_ps, log_pt = F.log_softmax(z_s.float() / T, -1), F.log_softmax(z_t.float() / T, -1)
+    return T * T * (log_pt.exp() * (log_pt - log_ps)).sum(-1)
+
+
+class LogitsKD(Objective):
+    """Forward KL from the teacher's distribution. A remote teacher sends only its top-k
+    logprobs: renormalise those over the k tokens (after dividing by T) and compare with the
+    student's log-softmax over the full vocabulary, taken at the same k token ids."""
+    needs_teacher = True
+
+    def __init__(self, temperature=5.0):
+        self.T = temperature
+
+    def loss(self, batch, s, t):
+        counted = batch['y'] != IGNORE
+        if 'logits' in t:
+            per_token = kd_per_token(s['logits'], t['logits'], self.T)
+        else:
+            log_pt = F.log_softmax(t['topk_logprobs'].float() / self.T, -1)          # (B, T, k)
+            log_ps = F.log_softmax(s['logits'].float() / self.T, -1).gather(-1, t['topk_ids'])
+            per_token = self.T ** 2 * (log_pt.exp() * (log_pt - log_ps)).sum(-1)
+        return (per_token * counted).sum() / counted.sum().clamp(min=1)
+
+
+def relations(a, heads, normalize):
+    """(B, T, W) projections -> (B, r, T, T) log relation matrices over r relation heads."""
+    B, T, W = a.shape
+    if W % heads:
+        raise ValueError(f"attn_heads={heads} must divide the width {W} of Q, K and V")
+    a = a.float().view(B, T, heads, W // heads).transpose(1, 2)  # (B, r, T, d_r)
+    if normalize:  # the official BitDistill trainer: cosine similarities at tau = 1
+        a = F.normalize(a, dim=-1)
+        return (a @ a.transpose(-1, -2)).log_softmax(-1)
+    return (a @ a.transpose(-1, -2) / math.sqrt(W // heads)).log_softmax(-1)  # MiniLMv2 / the paper
+
+
+class AttentionRelationKD(Objective):
+    """sum over Q, K, V of KL(R_teacher || R_student), averaged over the B*r*T rows. The
+    relations are T x T, so teacher and student widths may differ (GQA included)."""
+    needs_teacher = True
+
+    def __init__(self, layer=-1, heads=4, normalize=False):
+        self.layer, self.heads, self.normalize = layer, heads, normalize
+
+    def bind(self, n_layer, n_layer_teacher):
+        # layer -1 is the last one; with a teacher of another depth, the same relative depth
+        s = self.layer % n_layer
+        self.features = {'qkv_layer': s, 'teacher_qkv_layer': depth_map(n_layer, n_layer_teacher)[s]}
+
+    def loss(self, batch, s, t):
+        total = 0.0
+        for a_s, a_t in zip(s['qkv'], t['qkv']):
+            r_s, r_t = relations(a_s, self.heads, self.normalize), relations(a_t, self.heads, self.normalize)
+            total = total + (r_t.exp() * (r_t - r_s)).sum(-1).mean()
+        return total
+
+
+def depth_map(n_student, n_teacher):
+    """Student block i learns from the teacher block at the same relative depth."""
+    return [round((i + 1) * n_teacher / n_student) - 1 for i in range(n_student)]
+
+
+class HiddenStateKD(Objective):
+    needs_teacher = True
+    features = {'hidden': True}
+
+    def loss(self, batch, s, t):
+        pairs = zip(s['hidden'], (t['hidden'][j] for j in depth_map(len(s['hidden']), len(t['hidden']))))
+        return sum(F.mse_loss(F.normalize(h_s.float(), dim=-1), F.normalize(h_t.float(), dim=-1))
+                   for h_s, h_t in pairs) / len(s['hidden'])
+
+
+class LRCReconstruction(Objective):
+    """Train the low-rank corrections (bitlinear.add_lrc) so that each student block's output
+    matches the fp teacher's block output (MSE). Teacher and student share their depth."""
+    needs_teacher = True
+    features = {'hidden': True}
+
+    def loss(self, batch, s, t):
+        if len(s['hidden']) != len(t['hidden']):
+            raise ValueError("lrc needs a teacher with the student's depth (the student's own fp weights)")
+        return sum(F.mse_loss(h_s.float(), h_t.float()) for h_s, h_t in zip(s['hidden'], t['hidden'])) / len(s['hidden'])
+
+
+class MaskedDiffusion(Objective):
+    """Masked-diffusion LM. Per sequence draw t ~ U(0, 1) and mask each counted token with
+    probability p = (1 - eps) t + eps, using a dedicated mask id. The model sees the masked
+    sequence with bidirectional attention and must recover the masked tokens; the loss is
+    sum over masked tokens of CE / p, divided by the number of counted tokens, an unbiased
+    bound on the likelihood (a fixed 15% mask without 1/p would be BERT). A causal checkpoint
+    predicts token i at position i - 1, so we keep that shift (DiffuLLaMA, Dream). Tokens that
+    do not count (SFT prompts) are never masked: they are the condition."""
+    own_forward = True
+
+    def __init__(self, mask_id, eps=1e-3):
+        self.mask_id, self.eps = mask_id, eps
+
+    def run(self, model, teacher, batch):
+        x, y = batch['x'], batch['y']
+        B, T = x.shape
+        # token x[i] (i >= 1) counts when it is target y[i - 1]; x[0] is never predicted
+        counted = torch.zeros_like(x, dtype=torch.bool)
+        counted[:, 1:] = y[:, :-1] != IGNORE
+        p = (1 - self.eps) * torch.rand(B, 1, device=x.device) + self.eps      # (B, 1)
+        masked = counted & (torch.rand(B, T, device=x.device) < p)
+        logits = model(torch.where(masked, self.mask_id, x), causal=False)
+        ce = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), x[:, 1:].flatten(), reduction='none').view(B, T - 1)
+        return (ce * masked[:, 1:] / p).sum() / counted.sum().clamp(min=1)
+
+
+def sequence_logprob(logits, y):
+    """Sum of log p(y_i) over the counted tokens of each sequence: (B,)."""
+    logp = F.log_softmax(logits.float(), -1).gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (logp * (y != IGNORE)).sum(-1)
+
+
+def dpo_loss(pi_w, pi_l, ref_w, ref_l, beta):
+    return -F.logsigmoid(beta * ((pi_w - ref_w) - (pi_l - ref_l))).mean()
+
+
+class DPO(Objective):
+    """batch['pairs'] = (x_w, y_w, x_l, y_l): chosen and rejected answers, prompts IGNOREd in y.
+    The frozen teacher is the reference policy."""
+    needs_teacher = own_forward = True
+
+    def __init__(self, beta=0.1):
+        self.beta = beta
+
+    def run(self, model, teacher, batch):
+        x_w, y_w, x_l, y_l = batch['pairs']
+        n = len(x_w)
+        x, y = torch.cat((x_w, x_l)), torch.cat((y_w, y_l))  # one forward for both
+        pi = sequence_logprob(model(x), y)
+        ref = sequence_logprob(teacher(x)['logits'], y)
+        return dpo_loss(pi[:n], pi[n:], ref[:n], ref[n:], self.beta)
+
+
+OBJECTIVES = {'ce': CrossEntropy, 'kd': LogitsKD, 'attn': AttentionRelationKD, 'hidden': HiddenStateKD,
+              'lrc': LRCReconstruction, 'diffusion': MaskedDiffusion, 'dpo': DPO}
+
+
+class CurriculumScheduler:
+    """Phases [(end, {name: weight}), ...] with `end` a fraction of training, increasing to
+    1. 'switch' holds each phase's weights until its end; 'linear' and 'cosine' move from
+    a phase's weights at its start to the next phase's weights at its end, so the weights
+    are continuous. A name missing from a phase weighs 0 there."""
+
+    def __init__(self, phases, blend='switch'):
+        if blend not in ('switch', 'linear', 'cosine'):
+            raise ValueError(f"blend={blend!r}; use 'switch', 'linear' or 'cosine'")
+        ends = [end for end, _ in phases]
+        if not phases or ends != sorted(ends) or ends[-1] < 1:
+            raise ValueError(f"curriculum phase ends {ends} must increase and the last must be 1.0")
+        self.phases, self.blend = phases, blend
+        self.names = sorted({name for _, w in phases for name in w})
+
+    def weights(self, progress):
+        k = next((i for i, (end, _) in enumerate(self.phases) if progress < end), len(self.phases) - 1)
+        here = self.phases[k][1]
+        if self.blend == 'switch' or k == len(self.phases) - 1:
+            return {n: float(here.get(n, 0.0)) for n in self.names}
+        start, end = self.phases[k - 1][0] if k else 0.0, self.phases[k][0]
+        a = (progress - start) / (end - start)
+        if self.blend == 'cosine':
+            a = 0.5 - 0.5 * math.cos(math.pi * a)
+        after = self.phases[k + 1][1]
+        return {n: (1 - a) * here.get(n, 0.0) + a * after.get(n, 0.0) for n in self.names}
+
+
+class LocalTeacher:
+    """A frozen model on its own device and dtype: eval mode, no gradients."""
+
+    def __init__(self, model, device='cpu', dtype=torch.float32):
+        self.model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        self.device = device
+        self.n_layer = len(model.layers)
+
+    @torch.no_grad()
+    def __call__(self, x, hidden=False, qkv_layer=None):
+        out = self.model(x.to(self.device), hidden=hidden, qkv_layer=qkv_layer)
+        logits, feats = out if isinstance(out, tuple) else (out, {})
+        return {'logits': logits.to(x.device), **{k: [v.to(x.device) for v in vs] for k, vs in feats.items()}}
+
+
+class RemoteTeacher:
+    """A vLLM server (OpenAI-compatible API). Per sequence we POST the token ids with
+    prompt_logprobs=k; entry i of the answer holds the top-k of P(token_i | tokens < i), so
+    student position i (which predicts token i + 1) lines up with entry i + 1. We send the
+    targets' last token too, so every student position gets its entry."""
+
+    def __init__(self, url, model, top_k=20, timeout=60.0, retries=3, backoff=1.0):
+        self.url, self.model, self.top_k = url.rstrip('/') + '/v1/completions', model, top_k
+        self.timeout, self.retries, self.backoff = timeout, retries, backoff
+        self.n_layer = None
+
+    def post(self, ids):
+        body = {'model': self.model, 'prompt': ids, 'max_tokens': 1, 'temperature': 0, 'prompt_logprobs': self.top_k}
+        for attempt in range(self.retries + 1):
+            try:
+                r = requests.post(self.url, json=body, timeout=self.timeout)
+                r.raise_for_status()
+                entries = r.json()['choices'][0]['prompt_logprobs']
+                if len(entries) != len(ids):
+                    raise ValueError(f"{len(entries)} prompt_logprobs for {len(ids)} tokens")
+                return entries
+            except (requests.RequestException, ValueError, KeyError, IndexError, TypeError) as e:
+                error = e
+                if attempt < self.retries:
+                    time.sleep(self.backoff * 2 ** attempt)
+        raise RuntimeError(f"teacher server {self.url} failed after {self.retries + 1} tries ({error}); "
+                           f"check that vLLM serves {self.model!r} there, with --max-logprobs >= {self.top_k}")
+
+    def __call__(self, x, y):
+        B, T = x.shape
+        ids = torch.zeros(B, T, self.top_k, dtype=torch.long)
+        logprobs = torch.full((B, T, self.top_k), -float('inf'))
+        seqs = torch.cat((x, y[:, -1:].clamp(min=0)), dim=1).tolist()
+        for b, seq in enumerate(seqs):
+            for i, entry in enumerate(self.post(seq)[1:]):  # entry i + 1 -> student position i
+                top = sorted(entry.items(), key=lambda kv: -kv[1]['logprob'])[:self.top_k]
+                ids[b, i, :len(top)] = torch.tensor([int(k) for k, _ in top])
+                logprobs[b, i, :len(top)] = torch.tensor([v['logprob'] for _, v in top])
+        return {'topk_ids': ids.to(x.device), 'topk_logprobs': logprobs.to(x.device)}
+
+
+class ObjectiveManager:
+    """Runs one training micro-step's objectives: the preprocess chain, one shared student
+    forward with the union of the features the active objectives want, one teacher forward
+    if any of them needs it, each own-forward objective, and the weighted sum."""
+
+    def __init__(self, objectives, curriculum, teacher=None, n_layer=None):
+        self.objectives, self.curriculum, self.teacher = objectives, curriculum, teacher
+        for name, obj in objectives.items():
+            if obj.needs_teacher and teacher is None:
+                raise ValueError(f"objective {name!r} needs a teacher; set teacher= in the config")
+            if isinstance(teacher, RemoteTeacher) and (obj.features or obj.own_forward) and obj.needs_teacher:
+                raise ValueError(f"objective {name!r} needs a local teacher; a remote one sends logprobs only")
+            if hasattr(obj, 'bind'):
+                obj.bind(n_layer, teacher.n_layer if isinstance(teacher, LocalTeacher) else n_layer)
+        missing = set(curriculum.names) - set(objectives)
+        if missing:
+            raise ValueError(f"the curriculum weighs {sorted(missing)} but objectives only has {sorted(objectives)}")
+
+
+    def __call__(self, model, batch, progress):
+        weights = self.curriculum.weights(progress)
+        active = {n: o for n, o in self.objectives.items() if weights.get(n, 0.0) > 0}
+        for obj in active.values():
+            batch = obj.preprocess(batch)
+        if not active:
+            raise ValueError(f"no objective weighs more than 0 at {progress:.0%} of training; fix the curriculum")
+        shared = [o for o in active.values() if not o.own_forward]
+        want = {k: v for o in shared for k, v in o.features.items()}
+        hidden, layer = want.get('hidden', False), want.get('qkv_layer')
+        losses = {}
+        if shared:
+            out = model(batch['x'], hidden=hidden, qkv_layer=layer)
+            s = {'logits': out[0], **out[1]} if isinstance(out, tuple) else {'logits': out}
+            t = None
+            if isinstance(self.teacher, RemoteTeacher) and any(o.needs_teacher for o in shared):
+                t = self.teacher(batch['x'], batch['y'])
+            elif any(o.needs_teacher for o in shared):
+                t = self.teacher(batch['x'], hidden=hidden, qkv_layer=want.get('teacher_qkv_layer'))
+            losses = {n: o.loss(batch, s, t) for n, o in active.items() if not o.own_forward}
+        for n, o in active.items():
+            if o.own_forward:
+                losses[n] = o.run(model, self.teacher, batch)
+        total = sum(weights[n] * losses[n] for n in losses)
+        metrics = {f'loss_{n}': v.detach() for n, v in losses.items()}
+        metrics.update({f'w_{n}': w for n, w in weights.items()})
+        return total, metrics
