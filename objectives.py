@@ -118,8 +118,8 @@ class AttentionRelationKD(Objective):
 
 
 def depth_map(n_student, n_teacher):
-    """Student block i learns from the teacher block at the same relative depth."""
-    return [round((i + 1) * n_teacher / n_student) - 1 for i in range(n_student)]
+    """Student block i learns from the teacher block at the same relative depth (rounded up)."""
+    return [((i + 1) * n_teacher + n_student - 1) // n_student - 1 for i in range(n_student)]
 
 
 class HiddenStateKD(Objective):
