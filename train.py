@@ -175,8 +175,14 @@ else:
 unknown = set(objectives) - set(OBJECTIVES)
 if unknown:
     sys.exit(f"error: unknown objectives {sorted(unknown)}; choose from {sorted(OBJECTIVES)}")
-if 'diffusion' in objectives:  # a dedicated mask token, never end-of-text
-    objectives['diffusion'].setdefault('mask_id', enc.encode('<|mask|>', allowed_special='all')[0])
+if 'diffusion' in objectives:  # a dedicated mask token: the tokenizer's, or a spare embedding row
+    if '<|mask|>' in enc.special_tokens_set:
+        mask_id = enc.encode_single_token('<|mask|>')
+    elif raw_model.config.vocab_size > enc.n_vocab:
+        mask_id = enc.n_vocab  # a padding row of the embedding, which no text ever produces
+    else:
+        sys.exit("error: diffusion needs a mask token; the tokenizer has no <|mask|> and the embedding no spare row")
+    objectives['diffusion'].setdefault('mask_id', mask_id)
 try:
     manager = ObjectiveManager({n: OBJECTIVES[n](**kw) for n, kw in objectives.items()},
                                CurriculumScheduler(curriculum, blend), teacher_net, raw_model.config.n_layer)
