@@ -19,7 +19,8 @@ ternary linears) BitNet b1.58 2B4T:
 - Module names are the Hugging Face ones (`q_proj`, `input_layernorm`, ...), so a
   checkpoint's tensors map onto ours by adding a `model.` prefix, and `save_pretrained`
   writes a directory that transformers opens as `LlamaForCausalLM` (fp) or
-  `BitNetForCausalLM` (ternary, online quantization).
+  `BitNetForCausalLM` (ternary: latent weights quantized online, or, after `freeze()`, the
+  packed 2-bit weights of the offline format, which inference runs with kernels.py).
 """
 import json
 import math
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from bitlinear import add_lrc, convert_to_bitnet
+from bitlinear import add_lrc, convert_to_bitnet, freeze
 
 
 @dataclass
@@ -53,6 +54,7 @@ class ModelConfig:
     subln: bool = False          # the two extra RMSNorms of BitNet (always on when bitnet)
     bitnet: bool = False         # attention/MLP linears are ternary BitLinear
     lrc_rank: int = 0            # rank of the low-rank correction on each BitLinear (0: none)
+    packed: bool = False         # BitLinears frozen to 2-bit PackedBitLinears (inference only)
 
     def __post_init__(self):
         self.head_dim = self.head_dim or self.n_embd // self.n_head
@@ -143,6 +145,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.config = cfg
+        self.grad_ckpt = False  # activation checkpointing, set by the trainer
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
@@ -161,6 +164,8 @@ class Transformer(nn.Module):
             self.to_bitnet()
         if cfg.lrc_rank:
             add_lrc(self.layers, cfg.lrc_rank)
+        if cfg.packed:
+            freeze(self.layers)
 
     def _init_weights(self, m):
         if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -180,6 +185,14 @@ class Transformer(nn.Module):
         self.config.lrc_rank = rank
         return self
 
+    def freeze(self):
+        """Inference only: keep just the 2-bit weights and gamma of every BitLinear."""
+        if not self.config.bitnet:
+            raise ValueError("only a ternary model can be frozen; call to_bitnet() and train it first")
+        freeze(self.layers)
+        self.config.packed = True
+        return self
+
     def num_params(self):
         return sum(p.numel() for p in self.parameters())  # tied weights are counted once
 
@@ -193,8 +206,11 @@ class Transformer(nn.Module):
         cos, sin = self.cos[pos:pos + T].to(x.dtype), self.sin[pos:pos + T].to(x.dtype)
         feats = {'hidden': [], 'qkv': []}
         for i, block in enumerate(self.layers):
-            x = block(x, cos, sin, None if cache is None else cache[i], pos, causal,
-                      feats['qkv'] if i == qkv_layer else None)
+            args = (x, cos, sin, None if cache is None else cache[i], pos, causal, feats['qkv'] if i == qkv_layer else None)
+            if self.grad_ckpt and self.training:  # keep only block inputs; recompute the rest in backward
+                x = torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)
+            else:
+                x = block(*args)
             if hidden:
                 feats['hidden'].append(x)
         logits = self.lm_head(self.norm(x))  # (B, T, vocab)
@@ -236,8 +252,9 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, dtype=torch.float32):
-        """Load a Hugging Face Llama or BitNet (online) checkpoint directory: config.json plus
-        model.safetensors, or shards listed in model.safetensors.index.json."""
+        """Load a Hugging Face Llama or BitNet checkpoint directory (online: latent weights; offline:
+        packed, loaded frozen): config.json plus model.safetensors, or shards listed in
+        model.safetensors.index.json."""
         if not os.path.isfile(os.path.join(path, 'config.json')):
             raise FileNotFoundError(f"{path!r} is not a checkpoint directory (no config.json in it)")
         with open(os.path.join(path, 'config.json')) as f:
@@ -256,7 +273,10 @@ class Transformer(nn.Module):
                 sd.update(load_file(file))
             except (OSError, SafetensorError) as e:
                 raise ValueError(f"cannot read {file} ({e}); re-download or re-save the checkpoint") from None
-        sd = {k.removeprefix('model.'): v.to(dtype) for k, v in sd.items() if not k.endswith('rotary_emb.inv_freq')}
+        sd = {k.removeprefix('model.'): v.to(dtype) if v.is_floating_point() else v  # packed weights stay uint8
+              for k, v in sd.items() if not k.endswith('rotary_emb.inv_freq')}
+        if (hf.get('quantization_config') or {}).get('linear_class') == 'bitlinear':  # the older class stores 1/gamma
+            sd = {k: 1 / v if k.endswith('weight_scale') else v for k, v in sd.items()}
         if model.config.tie_embeddings:
             sd.pop('lm_head.weight', None)
         own = {k for k in model.state_dict() if not (model.config.tie_embeddings and k == 'lm_head.weight')}
@@ -269,7 +289,8 @@ class Transformer(nn.Module):
 
     def save_pretrained(self, path):
         """Write config.json + model.safetensors that transformers loads as LlamaForCausalLM,
-        or as BitNetForCausalLM (latent weights, quantized online) for a ternary model."""
+        or as BitNetForCausalLM for a ternary model (latent weights quantized online; packed
+        2-bit weights, the offline format, once frozen)."""
         os.makedirs(path, exist_ok=True)
         sd = {('' if k.startswith('lm_head') else 'model.') + k: v.detach().contiguous()
               for k, v in self.state_dict().items()}
@@ -297,12 +318,16 @@ def config_from_hf(hf):
     if hf.get('mlp_bias'):
         raise ValueError("mlp_bias=true is not supported; Llama-family MLPs here have no bias")
     quant = hf.get('quantization_config') or {}
-    if kind == 'bitnet' and quant.get('quantization_mode', 'online') != 'online':
-        raise ValueError("packed (offline) BitNet checkpoints cannot be loaded for training; use the online format")
+    mode, linear = quant.get('quantization_mode', 'online'), quant.get('linear_class', 'autobitlinear')
+    if kind == 'bitnet' and (mode not in ('online', 'offline') or linear not in ('autobitlinear', 'bitlinear')
+                             or quant.get('use_rms_norm')):
+        raise ValueError(f"BitNet quantization_config {quant} is not supported; use linear_class 'autobitlinear' "
+                         "or 'bitlinear', quantization_mode 'online' or 'offline', and no use_rms_norm")
     kw = {ours: hf[theirs] for ours, theirs in HF_KEYS.items() if hf.get(theirs) is not None}
     kw['rope_theta'] = float(rope.get('rope_theta', hf.get('rope_theta', 10000.0)))
     kw.setdefault('tie_embeddings', False)  # the Llama default
     kw['bitnet'] = kw['subln'] = kind == 'bitnet'
+    kw['packed'] = kind == 'bitnet' and (mode == 'offline' or linear == 'bitlinear')  # that class is always packed
     return ModelConfig(**kw)
 
 
@@ -316,7 +341,7 @@ def config_to_hf(cfg, dtype):
             raise ValueError("BitNetForCausalLM needs head_dim * n_head == n_embd")
         hf.update(model_type='bitnet', architectures=['BitNetForCausalLM'],
                   quantization_config={'quant_method': 'bitnet', 'linear_class': 'autobitlinear',
-                                       'quantization_mode': 'online'})
+                                       'quantization_mode': 'offline' if cfg.packed else 'online'})
     elif cfg.subln:
         raise ValueError("an fp model with SubLN has no transformers class; convert it to BitNet first")
     return hf

@@ -7,19 +7,22 @@ offline corpus, on the CPU, in a few minutes:
     python train.py --init_from=resume               # carry on from the last checkpoint
     torchrun --nproc_per_node=2 train.py             # DDP: gloo on CPU, nccl on CUDA
 
-The script reads top to bottom like nanoGPT's: settings, DDP, data, model, optimizer, loop.
-A checkpoint is a Hugging Face directory (transformers opens it) plus train_state.pt.
+The script reads top to bottom like nanoGPT's: settings, DDP, data, model, objectives,
+optimizer, the loop. A checkpoint is a Hugging Face directory (transformers opens it) plus
+train_state.pt, which holds everything else a resumed run needs to continue bit for bit.
 """
 import json
 import math
 import os
 import shutil
+import subprocess
 import sys
 import time
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bitlinear import set_lambda
@@ -39,7 +42,11 @@ eval_iters = 20        # batches per evaluation
 log_interval = 10
 ckpt_interval = 0      # also checkpoint every this many steps; 0: only on val improvement and at the end
 keep_last = 2          # complete checkpoints to keep, besides the best one
+patience = 0           # early stopping: stop after this many evals without improvement (0: never)
+min_delta = 0.0        # ... where an improvement means a val loss lower by more than this
 sample_tokens = 300    # printed at the end of training; 0 to skip
+wandb_log = False
+wandb_project = 'nanobitnet'
 # data
 tokenizer = 'bytes'
 batch_size = 16        # sequences per rank per micro-step
@@ -65,19 +72,32 @@ blend = 'switch'
 teacher = ''           # '' (none), a checkpoint / HF directory (local, frozen), or a vLLM URL http://...
 teacher_model = ''     # the model name a vLLM teacher serves
 teacher_top_k = 20     # logprobs per position from a vLLM teacher
-# optimizer: AdamW, linear warmup then cosine decay to min_lr at max_steps
-max_steps = 300
-learning_rate = 3e-3   # BitNet trains best with a larger LR than its fp twin
+# optimizer: AdamW for everything, or Muon for the hidden matrices and AdamW for the rest
+optimizer = 'adamw'    # 'adamw' or 'muon'
+max_steps = 300        # optimizer steps; every schedule below is laid out over them
+learning_rate = 3e-3   # the hidden matrices' LR; BitNet trains best with a larger LR than its fp twin
+embed_lr = 0.0         # 0: same as learning_rate
+head_lr = 0.0
+scalar_lr = 0.0        # norms and biases
 min_lr = 3e-4
+schedule = 'cosine'    # after warmup: 'cosine', 'linear', 'constant', 'wsd', or 'two_stage' (BitNet)
 warmup_steps = 30
-weight_decay = 0.1
+decay_frac = 0.2       # wsd: the final fraction of steps that decays to min_lr
+weight_decay = 0.1     # two_stage: drops to 0 at the midpoint, with the LR
 beta1 = 0.9
 beta2 = 0.95
-grad_clip = 1.0        # 0 disables clipping
+zero1 = False          # shard the optimizer state over the DDP ranks (ZeRO stage 1)
+grad_clip = 1.0        # max grad norm (0: none); with zclip, the fixed clip of its first 25 steps
+zclip = False          # adaptive clipping of grad-norm spikes by their z-score (ZClip)
+zclip_z = 2.5
+nan_patience = 5       # stop after this many non-finite steps in a row (each is skipped)
+lr_find = False        # first run an LR range test, then train with the LR it suggests
 # system
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
 dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float32'
 compile = False
+grad_ckpt = False      # recompute each block's activations in backward: less memory, more time
+auto_batch = False     # CUDA: the largest batch_size that fits, same global batch via accumulation
 seed = 1337
 peak_flops = 989e12    # for MFU: the accelerator's dense bf16 peak (H100 SXM)
 # -----------------------------------------------------------------------------
@@ -103,17 +123,18 @@ if ptdtype is None:
     sys.exit(f"error: dtype={dtype!r} is not one of float32, bfloat16, float16")
 ctx = nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type, dtype=ptdtype)
 torch.manual_seed(seed + rank)
-tokens_per_step = gradient_accumulation_steps * world_size * batch_size * block_size
 if master:
     os.makedirs(out_dir, exist_ok=True)
-    print(f"tokens per optimizer step: {tokens_per_step:,} ({world_size} ranks)")
 
-# data
+# data: the global batch of a step is a function of (seed, step, sequence index), so a
+# resumed run sees exactly the batches it would have seen, and so does a run on more ranks
 enc = get_tokenizer(tokenizer)
 train_data, val_data = offline_corpus(enc)
 
 
-def batch(data, rng):
+def batch(step, micro, data=train_data):
+    index = micro * world_size + rank  # this rank's slice of the step's global batch
+    rng = torch.Generator().manual_seed((seed * 1_000_003 + step) * 65_537 + index)
     x, y = get_batch(data, batch_size, block_size, rng)
     return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
@@ -136,7 +157,7 @@ def load(src):
 
 
 # model: from scratch, from the last checkpoint, or from a Hugging Face directory
-step, best_val, best_step, state = 0, float('inf'), 0, None
+step, best_val, best_step, bad_evals, state = 0, float('inf'), 0, 0, None
 if init_from == 'scratch':
     model = Transformer(ModelConfig(
         vocab_size=64 * math.ceil(enc.n_vocab / 64), n_layer=n_layer, n_embd=n_embd, n_head=n_head,
@@ -148,7 +169,12 @@ else:
     model, src = load(out_dir if init_from == 'resume' else init_from)
     if init_from == 'resume':
         state = torch.load(os.path.join(src, 'train_state.pt'), weights_only=True)
-        step, best_val, best_step = state['step'], state['best_val'], state['best_step']
+        changed = [f"{k}={state['config'][k]!r} (now {config[k]!r})" for k in
+                   ('n_layer', 'n_embd', 'n_head', 'n_kv_head', 'intermediate_size', 'act', 'bitnet', 'lrc_rank',
+                    'tokenizer', 'optimizer', 'zero1') if state['config'][k] != config[k]]
+        if changed:
+            sys.exit(f"error: {src} was trained with {', '.join(changed)}; resume with the same settings or a new out_dir")
+        step, best_val, best_step, bad_evals = (state[k] for k in ('step', 'best_val', 'best_step', 'bad_evals'))
     if enc.n_vocab > model.config.vocab_size:
         sys.exit(f"error: tokenizer {tokenizer!r} has {enc.n_vocab} tokens but the model only {model.config.vocab_size}; use the model's tokenizer")
     if model.config.max_seq_len < block_size:
@@ -158,6 +184,7 @@ else:
 if lrc_rank and not model.config.lrc_rank:
     model.add_lrc(lrc_rank)  # from the (converted) weights: the SVD of their quantization residual
 model.to(device)
+model.grad_ckpt = grad_ckpt
 raw_model = model
 if master:
     kind = 'ternary' if raw_model.config.bitnet else 'fp'
@@ -189,29 +216,116 @@ try:
 except (TypeError, ValueError) as e:
     sys.exit(f"error: objectives/curriculum: {e}")
 
-# optimizer: weight decay on matrices (linears, embeddings), none on norms and biases
-params = [p for p in model.parameters() if p.requires_grad]
-optimizer = torch.optim.AdamW(
-    [{'params': [p for p in params if p.dim() >= 2], 'weight_decay': weight_decay},
-     {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0}],
-    lr=learning_rate, betas=(beta1, beta2), fused=device_type == 'cuda')
+
+def param_groups(model):
+    """Four groups with their own LRs: the hidden matrices (every 2-D weight inside the
+    blocks), the embedding, an untied head, and the scalars (norm gains, biases: no decay)."""
+    groups = {'hidden': [], 'embed': [], 'head': [], 'scalar': []}
+    for name, p in model.named_parameters():
+        kind = 'scalar' if p.dim() < 2 else name.split('.')[0].replace('embed_tokens', 'embed').replace('lm_head', 'head')
+        groups['hidden' if kind == 'layers' else kind].append(p)
+    lrs = {'hidden': learning_rate, 'embed': embed_lr, 'head': head_lr, 'scalar': scalar_lr}
+    return [{'params': ps, 'name': n, 'base_lr': lrs[n] or learning_rate,
+             'weight_decay': 0.0 if n == 'scalar' else weight_decay} for n, ps in groups.items() if ps]
+
+
+def make_optimizers(model):
+    """AdamW, or Muon (Jordan et al. 2024) on the hidden matrices: it orthogonalises each
+    update with a Newton-Schulz iteration, and adjust_lr_fn='match_rms_adamw' scales it so
+    that it takes an AdamW-sized LR. Embedding, head and scalars stay on AdamW."""
+    groups = param_groups(model)
+    made = [(torch.optim.AdamW, [g for g in groups if optimizer == 'adamw' or g['name'] != 'hidden'],
+             dict(lr=learning_rate, betas=(beta1, beta2)))]
+    if optimizer == 'muon':
+        made.append((torch.optim.Muon, [g for g in groups if g['name'] == 'hidden'],
+                     dict(lr=learning_rate, momentum=0.95, nesterov=True, adjust_lr_fn='match_rms_adamw')))
+    if zero1 and ddp:  # each rank keeps and updates the optimizer state of its share of the parameters
+        return [ZeroRedundancyOptimizer(g, optimizer_class=cls, **kw) for cls, g, kw in made]
+    return [cls(g, **kw) for cls, g, kw in made]
+
+
+if optimizer not in ('adamw', 'muon') or schedule not in ('cosine', 'linear', 'constant', 'wsd', 'two_stage'):
+    sys.exit(f"error: optimizer={optimizer!r} / schedule={schedule!r}; use adamw or muon / cosine, linear, constant, wsd or two_stage")
+optimizers = make_optimizers(raw_model)
 scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)
+
+
+def lr_factor(step):
+    """The LR of `step` as a fraction of each group's base LR: linear warmup, then the schedule."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    floor = min_lr / learning_rate
+    ratio = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    if schedule == 'constant':
+        return 1.0
+    if schedule == 'linear':
+        return 1.0 - (1.0 - floor) * ratio
+    if schedule == 'wsd':  # warmup-stable-decay: flat, then a linear cool-down over the last decay_frac
+        return 1.0 - (1.0 - floor) * max(0.0, (step - (1 - decay_frac) * max_steps) / (decay_frac * max_steps))
+    cosine = floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1.0 - floor)
+    if schedule == 'two_stage' and step >= max_steps // 2:  # BitNet b1.58: the LR drops at the midpoint
+        return cosine / 2
+    return cosine
+
+
+def set_lr(step, factor=None):
+    factor = lr_factor(step) if factor is None else factor
+    for opt in optimizers:
+        for g in opt.param_groups:
+            g['lr'] = g['base_lr'] * factor
+            if schedule == 'two_stage' and step >= max_steps // 2:
+                g['weight_decay'] = 0.0  # ... and weight decay goes to zero
+    return {f"lr_{g['name']}": g['lr'] for opt in optimizers for g in opt.param_groups}
+
+
+class ZClip:
+    """Adaptive gradient clipping (Kumar et al. 2025): track the mean and variance of the
+    grad norm with EMAs; a norm whose z-score exceeds z_thresh is a spike, and is clipped to
+    mu + z_thresh^2 / z * sigma (the further out, the harder). The first `warmup` steps only
+    buffer norms (under the fixed grad_clip) to seed the statistics."""
+
+    def __init__(self, z_thresh=2.5, alpha=0.97, warmup=25):
+        self.z_thresh, self.alpha, self.warmup, self.norms, self.mu, self.var = z_thresh, alpha, warmup, [], 0.0, 0.0
+
+    def target(self, g):
+        """The norm to clip g to (g itself when it is not a spike); updates the statistics."""
+        if len(self.norms) < self.warmup:
+            self.norms.append(min(g, grad_clip or g))
+            if len(self.norms) == self.warmup:
+                t = torch.tensor(self.norms, dtype=torch.float64)
+                self.mu, self.var = t.mean().item(), t.var(unbiased=False).item()
+            return min(g, grad_clip or g)
+        sigma = math.sqrt(self.var)
+        z = (g - self.mu) / (sigma + 1e-6)
+        clipped = self.mu + self.z_thresh ** 2 / z * sigma if z > self.z_thresh else g
+        self.mu = self.alpha * self.mu + (1 - self.alpha) * clipped
+        self.var = self.alpha * self.var + (1 - self.alpha) * (clipped - self.mu) ** 2
+        return clipped
+
+    def state_dict(self):
+        return {'norms': self.norms, 'mu': self.mu, 'var': self.var}
+
+    def load_state_dict(self, s):
+        self.norms, self.mu, self.var = list(s['norms']), s['mu'], s['var']
+
+
+zclipper = ZClip(zclip_z) if zclip else None
 if state is not None:
-    optimizer.load_state_dict(state['optimizer'])
+    for opt, sd in zip(optimizers, state['optimizers']):
+        opt.load_state_dict(sd)
     scaler.load_state_dict(state['scaler'])
+    if zclipper:
+        zclipper.load_state_dict(state['zclip'])
+    torch.set_rng_state(state['rng'][rank]['cpu'])  # e.g. the masks of masked diffusion
+    if device_type == 'cuda' and state['rng'][rank]['cuda'] is not None:
+        torch.cuda.set_rng_state(state['rng'][rank]['cuda'])
     if master:
-        print(f"resumed from {src} at step {step} (best val {best_val:.4f})")
+        print(f"resumed from {src} at step {step}: weights, optimizer, schedule, RNG and data position restored "
+              f"(best val {best_val:.4f} at step {best_step})")
 if compile:
     model = torch.compile(model)
 if ddp:
     model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
-
-
-def get_lr(step):
-    if step < warmup_steps:
-        return learning_rate * (step + 1) / warmup_steps
-    ratio = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
 
 def all_mean(x):
@@ -220,28 +334,69 @@ def all_mean(x):
     return x
 
 
+def micro_steps(step, x, y):
+    """Forward and backward over the step's micro-batches; returns the mean loss and metrics."""
+    loss_sum, metrics = torch.zeros((), device=device), {}
+    for micro in range(gradient_accumulation_steps):
+        if ddp:  # all-reduce the gradients only once, after the last micro-step
+            model.require_backward_grad_sync = micro == gradient_accumulation_steps - 1
+        with ctx:
+            loss, parts = manager(model, {'x': x, 'y': y}, step / max_steps)
+        if micro + 1 < gradient_accumulation_steps:  # fetch the next batch while the GPU works
+            x, y = batch(step, micro + 1)
+        loss_sum += loss.detach()
+        for k, v in parts.items():  # the mean over micro-steps, like the loss
+            metrics[k] = metrics.get(k, 0.0) + v / gradient_accumulation_steps
+        scaler.scale(loss / gradient_accumulation_steps).backward()
+    return loss_sum / gradient_accumulation_steps, metrics
+
+
+def clip_gradients():
+    """Unscale (fp16), then clip: fixed max norm, or ZClip. Returns the norm before clipping,
+    and the norm it was clipped to when ZClip found a spike."""
+    for opt in optimizers:
+        scaler.unscale_(opt)
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    target = zclipper.target(norm.item()) if zclipper else grad_clip or float('inf')  # a CPU-GPU sync
+    if math.isfinite(norm.item()) and norm.item() > target:
+        torch.nn.utils.clip_grads_with_norm_(params, target, norm)
+    return norm, target if zclipper and target < norm.item() else None
+
+
 @torch.no_grad()
 def evaluate():
     """Mean val loss over eval_iters batches; the same batches at every evaluation."""
     model.eval()
-    rng = torch.Generator().manual_seed(seed + rank)
     losses = torch.zeros(eval_iters, device=device)
     for i in range(eval_iters):
-        x, y = batch(val_data, rng)
+        x, y = batch(-1, i, val_data)
         with ctx:
             losses[i] = ce_loss(model(x), y)
     model.train()
     return all_mean(losses.mean()).item()  # a CPU-GPU sync
 
 
-def save_checkpoint(step):
+def rng_states():
+    """The RNG state of every rank, gathered on all of them (rank 0 saves it)."""
+    mine = {'cpu': torch.get_rng_state(), 'cuda': torch.cuda.get_rng_state() if device_type == 'cuda' else None}
+    if not ddp:
+        return [mine]
+    every = [None] * world_size
+    dist.all_gather_object(every, mine)
+    return every
+
+
+def save_checkpoint(step, rngs, opt_states):
     """Write the HF directory and the training state under a temporary name, then rename:
     a crash mid-save leaves the earlier checkpoints as they were."""
     final, tmp = os.path.join(out_dir, f'ckpt_{step:07d}'), os.path.join(out_dir, f'.tmp_ckpt_{step:07d}')
     shutil.rmtree(tmp, ignore_errors=True)
     raw_model.save_pretrained(tmp)
-    torch.save({'step': step, 'best_val': best_val, 'best_step': best_step, 'optimizer': optimizer.state_dict(),
-                'scaler': scaler.state_dict(), 'config': config}, os.path.join(tmp, 'train_state.pt'))
+    torch.save({'step': step, 'best_val': best_val, 'best_step': best_step, 'bad_evals': bad_evals,
+                'optimizers': opt_states, 'scaler': scaler.state_dict(), 'rng': rngs,
+                'zclip': zclipper.state_dict() if zclipper else None, 'config': config, 'commit': commit},
+               os.path.join(tmp, 'train_state.pt'))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     best = os.path.join(out_dir, f'ckpt_{best_step:07d}')
@@ -251,65 +406,185 @@ def save_checkpoint(step):
     print(f"saved {final}")
 
 
+def optimizer_states():
+    if zero1 and ddp:  # gather the shards on rank 0 (every rank must take part)
+        for opt in optimizers:
+            opt.consolidate_state_dict(to=0)
+    return [opt.state_dict() for opt in optimizers] if master else None
+
+
+def find_lr(steps=100, lo=1e-8, hi=1.0):
+    """LR range test (Smith 2017): raise the LR exponentially from lo to hi, one step each,
+    until the smoothed loss exceeds 4x its minimum; suggest the LR where it fell fastest.
+    The model and optimizer are restored afterwards. Writes the curve to lr_find.svg."""
+    saved = ({k: v.clone() for k, v in raw_model.state_dict().items()}, [o.state_dict() for o in optimizers])
+    lrs, losses, avg = [], [], 0.0
+    for i in range(steps):
+        lr = lo * (hi / lo) ** (i / (steps - 1))
+        set_lr(0, lr / learning_rate)
+        loss, _ = micro_steps(0, *batch(i, 0))
+        for opt in optimizers:
+            scaler.step(opt)
+            opt.zero_grad(set_to_none=True)
+        scaler.update()
+        avg = 0.98 * avg + 0.02 * all_mean(loss).item()
+        lrs.append(lr)
+        losses.append(avg / (1 - 0.98 ** (i + 1)))  # bias-corrected EMA
+        if not math.isfinite(losses[-1]) or losses[-1] > 4 * min(losses):
+            break
+    raw_model.load_state_dict(saved[0])
+    for opt, sd in zip(optimizers, saved[1]):
+        opt.load_state_dict(sd)
+    slopes = [(losses[i + 1] - losses[i - 1]) / math.log(lrs[i + 1] / lrs[i - 1]) for i in range(1, len(lrs) - 1)]
+    best = lrs[1 + min(range(len(slopes)), key=slopes.__getitem__)]
+    if master:
+        write_svg(os.path.join(out_dir, 'lr_find.svg'), lrs, losses, best)
+        print(f"lr_find: suggested learning_rate {best:.2e} (steepest descent); curve in {out_dir}/lr_find.svg")
+    return best
+
+
+def write_svg(path, xs, ys, mark, W=480, H=300):
+    lx = [math.log10(x) for x in xs]
+    ys = [min(y, 4 * min(ys)) for y in ys]
+    px = lambda v: 40 + (v - lx[0]) / (lx[-1] - lx[0]) * (W - 60)
+    py = lambda v: H - 30 - (v - min(ys)) / (max(ys) - min(ys) + 1e-12) * (H - 60)
+    line = ' '.join(f'{px(a):.1f},{py(b):.1f}' for a, b in zip(lx, ys))
+    ticks = ''.join(f'<text x="{px(e):.0f}" y="{H - 10}" font-size="10">1e{e}</text>'
+                    for e in range(math.ceil(lx[0]), math.floor(lx[-1]) + 1, 2))
+    with open(path, 'w') as f:
+        f.write(f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}"><rect width="100%" height="100%" fill="white"/>'
+                f'<polyline fill="none" stroke="black" points="{line}"/>{ticks}'
+                f'<line x1="{px(math.log10(mark)):.1f}" x2="{px(math.log10(mark)):.1f}" y1="20" y2="{H - 30}" stroke="red"/>'
+                f'<text x="45" y="15" font-size="11">smoothed loss vs learning rate; red: suggested {mark:.1e}</text></svg>')
+
+
+def auto_batch_size(try_batch, start):
+    """The largest batch size <= start (halving) for which try_batch(b) runs without OOM."""
+    b = start
+    while b > 1:
+        try:
+            try_batch(b)
+            return b
+        except torch.OutOfMemoryError:
+            b //= 2
+            torch.cuda.empty_cache()
+    return 1
+
+
+if auto_batch and device_type != 'cuda':
+    print("auto_batch: does nothing on CPU (there is no memory limit to probe); keeping batch_size")
+elif auto_batch:
+    tokens_wanted = batch_size * gradient_accumulation_steps
+
+    def try_batch(b):
+        x = torch.randint(enc.n_vocab, (b, block_size), device=device)
+        with ctx:
+            manager(raw_model, {'x': x, 'y': x}, 1.0)[0].backward()
+        raw_model.zero_grad(set_to_none=True)
+    fits = torch.tensor(auto_batch_size(try_batch, 2 ** math.floor(math.log2(tokens_wanted))), device=device)
+    if ddp:  # every rank must run the same number of micro-steps
+        dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+    batch_size = fits.item()
+    gradient_accumulation_steps = max(1, tokens_wanted // batch_size)
+    print(f"auto_batch: batch_size={batch_size} x gradient_accumulation_steps={gradient_accumulation_steps}")
+if lr_find and state is None:  # every group's LR scales with the suggestion
+    found = find_lr()
+    for opt in optimizers:
+        for g in opt.param_groups:
+            g['base_lr'] *= found / learning_rate
+    learning_rate, min_lr = found, min_lr * found / learning_rate
+
 # the training loop
+try:
+    commit = subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+except OSError:
+    commit = ''
+wandb = None
+if wandb_log and master:
+    try:
+        import wandb
+    except ImportError:
+        sys.exit("error: wandb_log=True needs the wandb package: pip install wandb (or set --wandb_log=False)")
+    wandb.init(project=wandb_project, config=config)
+tokens_per_step = gradient_accumulation_steps * world_size * batch_size * block_size
+log_path = os.path.join(out_dir, 'log.jsonl')
+if master and state is not None and os.path.exists(log_path):  # forget what was logged after the checkpoint
+    with open(log_path) as f:
+        kept = [line for line in f if json.loads(line)['step'] <= step]
+    with open(log_path, 'w') as f:
+        f.writelines(kept)
+log = open(log_path, 'a') if master else None
+if master:
+    print(f"tokens per optimizer step: {tokens_per_step:,} ({world_size} ranks); commit {commit[:10] or 'unknown'}")
 start_step = step_last = step
-rng = torch.Generator().manual_seed(seed + 1_000_003 * (rank + 1) + step)  # a fresh stream on resume
-x, y = batch(train_data, rng)
 t_start = t_last = time.time()
-tokens_seen = step * tokens_per_step
-log = open(os.path.join(out_dir, 'log.jsonl'), 'a') if master else None
+tokens_seen, nan_run = step * tokens_per_step, 0
+x, y = batch(step, 0)
 while step < max_steps:
-    lr = get_lr(step)
-    for group in optimizer.param_groups:
-        group['lr'] = lr
+    lrs = set_lr(step)
     if lambda_warmup:
         set_lambda(raw_model, min(1.0, step / lambda_warmup))
-    loss_sum, metrics = torch.zeros((), device=device), {}
-    for micro in range(gradient_accumulation_steps):
-        if ddp:  # all-reduce the gradients only once, after the last micro-step
-            model.require_backward_grad_sync = micro == gradient_accumulation_steps - 1
-        with ctx:
-            loss, parts = manager(model, {'x': x, 'y': y}, step / max_steps)
-        x, y = batch(train_data, rng)  # fetch the next batch while the backward runs on GPU
-        loss_sum += loss.detach()
-        for k, v in parts.items():  # the mean over micro-steps, like the loss
-            metrics[k] = metrics.get(k, 0.0) + v / gradient_accumulation_steps
-        scaler.scale(loss / gradient_accumulation_steps).backward()
-    scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float('inf'))
-    scaler.step(optimizer)
+    train_loss, metrics = micro_steps(step, x, y)
+    grad_norm, zclipped = clip_gradients()
+    skipped = not math.isfinite(grad_norm.item())
+    if skipped:  # a NaN/Inf loss or gradient: skip the update, and give up after a run of them
+        nan_run += 1
+        if nan_run >= nan_patience:
+            sys.exit(f"error: {nan_run} non-finite steps in a row at step {step}; lower the learning rate or check the data")
+    else:
+        nan_run = 0
+        for opt in optimizers:
+            scaler.step(opt)
     scaler.update()
-    optimizer.zero_grad(set_to_none=True)
+    for opt in optimizers:
+        opt.zero_grad(set_to_none=True)
     step += 1
     tokens_seen += tokens_per_step
+    x, y = batch(step, 0)
 
     last = step == max_steps
     is_eval = step % eval_interval == 0 or last
-    improved = False
-    if step % log_interval == 0 or is_eval:
-        train_loss = all_mean(loss_sum / gradient_accumulation_steps).item()  # a CPU-GPU sync
+    improved = stop = False
+    if step % log_interval == 0 or is_eval or skipped or zclipped:
         now = time.time()
         tok_per_s = tokens_per_step * (step - step_last) / (now - t_last)
-        rec = {'step': step, 'loss': train_loss, 'lr': lr, 'grad_norm': grad_norm.item(),
+        rec = {'step': step, 'loss': all_mean(train_loss).item(), 'grad_norm': grad_norm.item(), **lrs,
                'tokens': tokens_seen, 'tok_per_s': round(tok_per_s), 'time_s': round(now - t_start, 2)}
         rec.update({k: all_mean(v).item() if torch.is_tensor(v) else v for k, v in metrics.items()})
+        if skipped:
+            rec['skipped'] = nan_run
+        if zclipped:
+            rec['zclip'] = zclipped
         if device_type == 'cuda':
             rec['mfu'] = raw_model.flops_per_token(block_size) * tok_per_s / (world_size * peak_flops)
         if is_eval:
             rec['val_loss'] = evaluate()
-            improved = rec['val_loss'] < best_val
+            improved = rec['val_loss'] < best_val - min_delta
             if improved:
-                best_val, best_step = rec['val_loss'], step
+                best_val, best_step, bad_evals = rec['val_loss'], step, 0
+            else:
+                bad_evals += 1
+                stop = patience and bad_evals >= patience
+                rec['early_stop'] = bool(stop)
         if master:
             log.write(json.dumps(rec) + '\n')
             log.flush()
+            if wandb:
+                wandb.log(rec, step=step)
             eta = (now - t_start) / (step - start_step) * (max_steps - step)
             val = f" | val {rec['val_loss']:.4f}" if is_eval else ''
-            print(f"step {step}/{max_steps} | loss {train_loss:.4f}{val} | lr {lr:.2e} | "
-                  f"{tok_per_s / 1e3:.1f}k tok/s | eta {eta:.0f}s")
+            print(f"step {step}/{max_steps} | loss {rec['loss']:.4f}{val} | lr {lrs['lr_hidden']:.2e} | "
+                  f"{tok_per_s / 1e3:.1f}k tok/s | eta {eta:.0f}s" + (' | skipped (non-finite)' if skipped else ''))
         t_last, step_last = time.time(), step
-    if master and (improved or last or (ckpt_interval and step % ckpt_interval == 0)):
-        save_checkpoint(step)
+    if improved or last or stop or (ckpt_interval and step % ckpt_interval == 0):
+        rngs, opt_states = rng_states(), optimizer_states()  # collectives: every rank takes part
+        if master:
+            save_checkpoint(step, rngs, opt_states)
+    if stop:
+        if master:
+            print(f"early stop: no val improvement above {min_delta} in {patience} evals (best {best_val:.4f} at step {best_step})")
+        break
 
 if master and sample_tokens:
     prompt = torch.tensor([enc.encode_ordinary('The ')], device=device)

@@ -45,7 +45,7 @@ def test_train_then_resume_carries_on_step_and_lr(tmp_path):
     assert 'resumed from' in r.stdout and 'at step 4' in r.stdout
     resumed = log(out2)
     assert [rec['step'] for rec in resumed] == [5, 6, 7, 8]
-    assert [rec['lr'] for rec in resumed] == [rec['lr'] for rec in straight[4:]]
+    assert [rec['lr_hidden'] for rec in resumed] == [rec['lr_hidden'] for rec in straight[4:]]
     assert resumed[-1]['tokens'] == straight[-1]['tokens']
 
 
