@@ -290,7 +290,7 @@ class ZClip:
     def target(self, g):
         """The norm to clip g to (g itself when it is not a spike); updates the statistics."""
         if len(self.norms) < self.warmup:
-            self.norms.append(min(g, grad_clip or g))
+            self.norms.append(g)
             if len(self.norms) == self.warmup:
                 t = torch.tensor(self.norms, dtype=torch.float64)
                 self.mu, self.var = t.mean().item(), t.var(unbiased=False).item()
@@ -358,10 +358,11 @@ def clip_gradients():
         scaler.unscale_(opt)
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    adaptive = zclipper is not None and len(zclipper.norms) == zclipper.warmup
     target = zclipper.target(norm.item()) if zclipper else grad_clip or float('inf')  # a CPU-GPU sync
     if math.isfinite(norm.item()) and norm.item() > target:
         torch.nn.utils.clip_grads_with_norm_(params, target, norm)
-    return norm, target if zclipper and target < norm.item() else None
+    return norm, target if adaptive and target < norm.item() else None
 
 
 @torch.no_grad()
