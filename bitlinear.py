@@ -22,7 +22,11 @@ Converting a model (`convert_to_bitnet`): every attention/MLP linear becomes a B
 that keeps the same weights; embeddings and the LM head stay fp; and two RMSNorms with
 gain 1 ("SubLN", Wang et al. 2023, used by BitNet b1.58 2B4T and BitDistill) go right
 before o_proj and down_proj, whose inputs are otherwise badly scaled for int8.
-This file needs only torch and can be copied into another project alone.
+
+Freezing (`freeze`), for inference: every BitLinear becomes a PackedBitLinear that keeps only
+the 2-bit weights and gamma (16x less memory than fp32) and runs the integer kernels of
+kernels.py. This file needs only torch and can be copied into another project alone; without
+kernels.py beside it, packed layers unpack their weights in pure torch (same numbers, slower).
 """
 import torch
 import torch.nn as nn
@@ -52,16 +56,59 @@ class BitLinear(nn.Linear):
         super().__init__(in_features, out_features, bias, device, dtype)
         # a tensor, not a float, so that changing it during warmup does not recompile
         self.register_buffer('lam', torch.ones((), device=device), persistent=False)
+        self.ternary = True  # lam == 1: take the fast path
         self.lrc_u = self.lrc_v = None  # the optional low-rank correction, see add_lrc
 
-    def forward(self, x):
+    def reference(self, x):
+        """The definition: fake-quantize (blended by lam), straight-through, then F.linear."""
         w_q, gamma = weight_quant(self.weight)
         w = self.weight + self.lam * (w_q * gamma - self.weight).detach()
         x_q, s = activation_quant(x)
-        y = F.linear(x + (self.lam * (x_q / s - x.float())).to(x.dtype).detach(), w.to(x.dtype), self.bias)
+        return F.linear(x + (self.lam * (x_q / s - x.float())).to(x.dtype).detach(), w.to(x.dtype), self.bias)
+
+    def forward(self, x):
+        y = BitLinearFunction.apply(x, self.weight, self.bias) if self.ternary else self.reference(x)
         if self.lrc_u is not None:  # the correction sees the unquantized input
             y = y + F.linear(F.linear(x, self.lrc_v), self.lrc_u)
         return y
+
+
+def int8_matmul(a, b):
+    """a (M, K) @ b (N, K)^T for int8 a, b, accumulated exactly in int32 (returned as fp32).
+    torch._int_mm runs it on int8 units (VNNI on x86, tensor cores on GPU) where the shapes
+    allow; otherwise fp32, which is exact too while K * 127 < 2^24."""
+    if a.shape[0] > 16 and a.shape[1] % 8 == 0 and b.shape[0] % 8 == 0:
+        return torch._int_mm(a, b.t()).float()
+    return a.float() @ b.float().t()
+
+
+class BitLinearFunction(torch.autograd.Function):
+    """BitLinear at lam = 1, the same numbers as `reference`, faster and lighter.
+    `reference` keeps fp32 copies of the quantized activations for backward and runs an fp
+    matmul. But the forward is exactly an integer matmul, y = (x_q @ W_q^T) * gamma / s, and
+    the STE gradients need only the quantized tensors:
+        grad_x = grad_y @ (gamma * W_q)        grad_W = grad_y^T @ (x_q / s)
+    so we save x_q and W_q as int8 (1 byte per value, not 4) plus one scale per token."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        x_q, s = activation_quant(x.reshape(-1, x.shape[-1]))  # (M, K), (M, 1)
+        w_q, gamma = weight_quant(weight)
+        x_q, w_q = x_q.to(torch.int8), w_q.to(torch.int8)
+        ctx.save_for_backward(x_q, s, w_q, gamma)
+        ctx.has_bias, ctx.w_dtype = bias is not None, weight.dtype
+        y = int8_matmul(x_q, w_q) * (gamma / s)  # (M, N)
+        if bias is not None:
+            y = y + bias
+        return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x_q, s, w_q, gamma = ctx.saved_tensors
+        g = grad_y.reshape(-1, grad_y.shape[-1])  # (M, N)
+        grad_x = (g @ (w_q.to(g.dtype) * gamma.to(g.dtype))).view(*grad_y.shape[:-1], -1)
+        grad_w = g.t() @ (x_q.to(g.dtype) / s.to(g.dtype))
+        return grad_x, grad_w.to(ctx.w_dtype), g.sum(0) if ctx.has_bias else None
 
 
 TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
@@ -105,3 +152,77 @@ def set_lambda(module, lam):
     for m in module.modules():
         if isinstance(m, BitLinear):
             m.lam.fill_(lam)
+            m.ternary = lam >= 1
+
+
+# ---------------------------------------------------------------- inference: frozen 2-bit weights
+
+try:  # kernels.py, when it sits beside this file: the layout packed along K and fast int8 kernels
+    from kernels import pack, ternary_linear, unpack
+    has_kernels = True
+except ImportError:  # copied alone: keep the HF layout and unpack in pure torch
+    has_kernels = False
+
+
+def pack_hf(w_q):
+    """(N, K) in {-1, 0, 1} -> uint8 (ceil(N/4), K), transformers' offline layout: code q + 1,
+    row r holding rows r, r+R, r+2R, r+3R (the same as kernels.pack_hf, so this file works alone)."""
+    N, R = w_q.shape[0], -(-w_q.shape[0] // 4)
+    c = F.pad(w_q.to(torch.int8) + 1, (0, 0, 0, 4 * R - N), value=1).to(torch.uint8).view(4, R, -1)
+    return c[0] | c[1] << 2 | c[2] << 4 | c[3] << 6
+
+
+def unpack_hf(packed, N):
+    return torch.cat([packed >> 2 * i & 3 for i in range(4)])[:N].to(torch.int8) - 1
+
+
+class PackedBitLinear(nn.Module):
+    """A frozen BitLinear for inference: 2-bit weights and gamma, no latent fp weights. In memory
+    the weights are in kernels.py's layout when that file is there (the HF layout otherwise);
+    the state dict is always transformers' offline format: `weight` uint8 (ceil(out/4), in) in
+    the HF layout and `weight_scale` (1,) = gamma."""
+
+    def __init__(self, w_q, gamma, bias=None):
+        super().__init__()
+        self.out_features, self.in_features = w_q.shape
+        self.register_buffer('weight', pack(w_q) if has_kernels else pack_hf(w_q))
+        self.register_buffer('weight_scale', gamma.float().reshape(1))
+        self.bias = bias
+        self.lrc_u = self.lrc_v = None
+
+    def forward(self, x):
+        if has_kernels:
+            y = ternary_linear(x, self.weight, self.weight_scale)
+        else:  # the same numbers: fp32 sums of integers below 2^24 are exact
+            x_q, s = activation_quant(x)
+            w_q = unpack_hf(self.weight, self.out_features).float()
+            y = (F.linear(x_q, w_q) * (self.weight_scale.float() / s)).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        if self.lrc_u is not None:
+            y = y + F.linear(F.linear(x, self.lrc_v), self.lrc_u)
+        return y
+
+    def _save_to_state_dict(self, dest, prefix, keep_vars):
+        super()._save_to_state_dict(dest, prefix, keep_vars)
+        if has_kernels:  # files hold the HF layout, whatever layout the kernels read
+            dest[prefix + 'weight'] = pack_hf(unpack(self.weight, self.in_features))
+
+    def _load_from_state_dict(self, sd, prefix, *args):
+        w = sd.get(prefix + 'weight')
+        if has_kernels and w is not None and w.shape == (-(-self.out_features // 4), self.in_features):
+            sd[prefix + 'weight'] = pack(unpack_hf(w, self.out_features))
+        super()._load_from_state_dict(sd, prefix, *args)
+
+
+@torch.no_grad()
+def freeze(module):
+    """In place, for inference: replace every BitLinear by a PackedBitLinear holding its ternary
+    weights and gamma (fully ternary, whatever its warmup lambda was)."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, BitLinear):
+                packed = PackedBitLinear(*weight_quant(child.weight), child.bias)
+                packed.lrc_u, packed.lrc_v = child.lrc_u, child.lrc_v
+                setattr(parent, name, packed)
+    return module

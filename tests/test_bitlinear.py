@@ -1,4 +1,5 @@
 """BitLinear's quantizers, STE and warmup, each checked against hand-computed values."""
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -99,3 +100,69 @@ def test_convert_is_model_agnostic():
     net.q_proj = nn.Linear(4, 4)
     convert_to_bitnet(net)
     assert isinstance(net.q_proj, BitLinear) and type(net[0]) is nn.Linear
+
+
+def copies(seed, n_in, n_out, bias):
+    torch.manual_seed(seed)
+    fast = BitLinear(n_in, n_out, bias=bias)
+    ref = BitLinear(n_in, n_out, bias=bias)
+    ref.load_state_dict(fast.state_dict())
+    return fast, ref
+
+
+@pytest.mark.parametrize('shape', [(3, 24, 16), (2, 40, 64, 48), (1, 1, 8, 5), (33, 72, 40)])
+@pytest.mark.parametrize('bias', [False, True])
+@pytest.mark.parametrize('lam', [0.5, 1.0])
+def test_fast_function_matches_the_fake_quant_reference(shape, bias, lam):
+    *lead, n_in, n_out = shape
+    fast, ref = copies(sum(shape), n_in, n_out, bias)
+    set_lambda(fast, lam)
+    set_lambda(ref, lam)
+    x = torch.randn(*lead, n_in) * 3
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    g = torch.randn(*lead, n_out)
+    y1, y2 = fast(x1), ref.reference(x2)
+    assert torch.allclose(y1, y2, rtol=1e-5, atol=1e-5)
+    (y1 * g).sum().backward()
+    (y2 * g).sum().backward()
+    assert torch.allclose(x1.grad, x2.grad, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(fast.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-5)
+    if bias:
+        assert torch.allclose(fast.bias.grad, ref.bias.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_int8_path_is_exact_integer_arithmetic():
+    from bitlinear import int8_matmul
+    a = torch.randint(-128, 128, (32, 64), dtype=torch.int8)
+    b = torch.randint(-1, 2, (24, 64), dtype=torch.int8)
+    expected = (a.long() @ b.long().t()).float()
+    assert torch.equal(int8_matmul(a, b), expected)          # torch._int_mm
+    assert torch.equal(int8_matmul(a[:5], b), expected[:5])   # too few rows for it: the fp32 fallback
+
+
+def saved_bytes(fn):
+    """Bytes autograd keeps for backward: every distinct tensor the graph saves, by storage."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+def test_fast_path_saves_at_least_2x_less_for_backward():
+    torch.manual_seed(0)
+    layers = [BitLinear(256, 256) for _ in range(4)]
+    x = torch.randn(8, 128, 256, requires_grad=True)
+
+    def run(forward):
+        h = x
+        for layer in layers:
+            h = forward(layer, h)
+        return h
+    fast, _ = saved_bytes(lambda: run(lambda m, h: m(h)))
+    ref, _ = saved_bytes(lambda: run(lambda m, h: m.reference(h)))
+    print(f"saved for backward: fast {fast:,} bytes, fake-quant reference {ref:,} bytes ({ref / fast:.2f}x)")
+    assert ref >= 2 * fast

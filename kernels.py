@@ -1,0 +1,379 @@
+"""
+Packed ternary inference: y = (x_q @ W_q^T) * gamma / s with 2-bit weights and int8 activations.
+
+Why it can be fast. Generating one token (batch 1) reads every weight once and does 2 flops
+with it, so decoding runs at the speed at which weights stream from memory. A ternary weight
+needs 2 bits, so a byte holds four: a 4096x4096 matrix is 4 MiB instead of 64 MiB in fp32.
+16x fewer bytes can be up to 16x faster, as long as unpacking costs less than the memory saved.
+
+Why it can be exact. The activations are quantized per token to int8 (absmax, as in
+bitlinear.py), each product is int8 x {-1, 0, 1}, the sums are int32, so every implementation
+below returns the *same integers*, and the fp scale gamma / s is applied once at the end.
+
+The trick that makes unpacking almost free: a weight is stored as its code c = q + 1 in
+{0, 1, 2}, which a shift and a mask turn into an unsigned byte. Then
+
+    sum_k q_k x_k = sum_k c_k x_k - sum_k x_k
+
+an unsigned x signed byte dot product (exactly x86's VNNI instruction vpdpbusd) minus one sum
+per token, with no per-weight subtraction. On NVIDIA GPUs, dp4a multiplies signed bytes, so
+there we subtract 1 from four codes at once (__vsub4) and use the weights directly.
+
+Four implementations of one integer op, (M, K) int8 x packed (N, K) -> (M, N) int32, each a
+torch.library.custom_op with a fake (shape-only) implementation, so that a model using them
+still compiles with torch.compile:
+  reference  unpack to numbers and matmul: the definition, slow, used by the tests
+  compile    the same math as one expression that torch.compile fuses into a single loop
+  cpp        a C++ CPU kernel (AVX-512 VNNI or AVX2, chosen at run time, all cores)
+  cuda       a CUDA GEMV for decode (dp4a) and int8 tensor cores (torch._int_mm) for prefill
+`ternary_linear` picks the fastest one that builds and says once when it has to fall back.
+"""
+import functools
+import os
+import platform
+import shutil
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+# ---------------------------------------------------------------- packing
+# HF layout, transformers' offline BitNet format (export/import): W_q (N, K) -> uint8 (R, K)
+# with R = ceil(N/4); byte (r, c) holds rows r, r+R, r+2R, r+3R of column c (strided rows):
+#
+#     bits  7 6 | 5 4  | 3 2 | 1 0
+#     row   3R+r| 2R+r | R+r |  r        (value = q + 1; rows past N are padded with q = 0)
+#
+# Kernel layout, packed along K: each row is cut into blocks of 256 columns, and block b is
+# 64 bytes whose byte j holds columns 256b + j, +64, +128, +192:
+#
+#              byte j:  0    1    2   ...  63
+#     bits 1:0  col  256b + 0    1    2   ...  63
+#     bits 3:2  col  256b + 64   65   66  ... 127
+#     bits 5:4  col  256b + 128 129  130  ... 191
+#     bits 7:6  col  256b + 192 193  194  ... 255
+#
+# So a 64-byte load shifted right by 2i and masked with 3 in every byte is the codes of 64
+# *consecutive* columns, one AVX-512 register to multiply with 64 consecutive activations;
+# a 32-bit word gives 4 consecutive columns per bit pair, one dp4a. K is padded with zero
+# weights to a multiple of 256, so the kernels never handle a ragged tail.
+BLOCK = 256
+
+
+def pack_hf(w_q):
+    """(N, K) in {-1, 0, 1} -> uint8 (ceil(N/4), K), the HF layout."""
+    N, R = w_q.shape[0], -(-w_q.shape[0] // 4)
+    c = F.pad(w_q.to(torch.int8) + 1, (0, 0, 0, 4 * R - N), value=1).to(torch.uint8).view(4, R, -1)
+    return c[0] | c[1] << 2 | c[2] << 4 | c[3] << 6
+
+
+def unpack_hf(packed, N):
+    """uint8 (ceil(N/4), K) in the HF layout -> int8 (N, K) in {-1, 0, 1}."""
+    return torch.cat([packed >> 2 * i & 3 for i in range(4)])[:N].to(torch.int8) - 1
+
+
+def pack(w_q):
+    """(N, K) in {-1, 0, 1} -> uint8 (N, Kp/4), the kernel layout, Kp = K rounded up to 256."""
+    N, K = w_q.shape
+    c = F.pad(w_q.to(torch.int8) + 1, (0, -K % BLOCK), value=1).to(torch.uint8).view(N, -1, 4, 64)
+    return (c[:, :, 0] | c[:, :, 1] << 2 | c[:, :, 2] << 4 | c[:, :, 3] << 6).view(N, -1)
+
+
+def unpack(packed, K):
+    """uint8 (N, Kp/4) in the kernel layout -> int8 (N, K) in {-1, 0, 1}."""
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=packed.device).view(1, 1, 4, 1)
+    codes = packed.view(packed.shape[0], -1, 1, 64) >> shifts & 3  # (N, Kp/256, 4, 64)
+    return codes.view(packed.shape[0], -1)[:, :K].to(torch.int8) - 1
+
+
+def quantize(x):
+    """absmax per token, as in bitlinear.activation_quant: int8 x_q (M, K) and the scale s (M, 1)."""
+    s = 127 / x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
+    return (x.float() * s).round().clamp(-128, 127).to(torch.int8), s
+
+
+# ---------------------------------------------------------------- 1. reference, 2. torch.compile
+# Each implementation is the whole op: float activations (M, K), packed weights, gamma (1,)
+# -> float (M, N). Quantize, integer matmul, then the one fp multiply: float(acc) * (gamma / s).
+
+def _linear(mm, x, w, gamma):
+    x_q, s = quantize(x)
+    return mm(x_q, w).float() * (gamma.float() / s)  # acc is exact in fp32 below 2^24
+
+
+def _mm_double(x_q, w):
+    # float64 holds every partial sum (at most 128 * K) exactly, on any device, in any order
+    return x_q.double() @ unpack(w, x_q.shape[1]).double().T
+
+
+@torch.library.custom_op('nanobitnet::linear_reference', mutates_args=())
+def linear_reference(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    return _linear(_mm_double, x, w, gamma)
+
+
+def _mm_fused(x_q, w):
+    # broadcast (M, 1, K) x (1, N, K) and sum over K: inductor turns this into one loop nest
+    # that unpacks each weight in registers, so the (M, N, K) product never exists in memory
+    return (x_q.int()[:, None, :] * unpack(w, x_q.shape[1]).int()[None]).sum(-1, dtype=torch.int32)
+
+
+@functools.cache
+def _compiled():
+    return torch.compile(functools.partial(_linear, _mm_fused), dynamic=True)
+
+
+@torch.library.custom_op('nanobitnet::linear_compile', mutates_args=())
+def linear_compile(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    return _compiled()(x, w, gamma)
+
+
+# ---------------------------------------------------------------- 3. C++ CPU kernel
+# The work is tiled in registers: MR tokens x NR weight rows, all of K. For decode (MR = 1) each
+# activation load is shared by NR = 4 weight rows, and the NR independent accumulators keep the
+# multiply unit busy while it waits on its previous result. For prefill, each unpacked weight
+# register is used MR = 4 times. Threads split the weight rows; each streams contiguous memory.
+CPP = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+template <int MR, int NR>  // x: MR rows of Kp int8, w: NR rows of Kp/4 bytes, acc: MR x NR
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+void tile_vnni(const int8_t* x, const uint8_t* w, int64_t Kp, int32_t* acc) {
+  __m512i a[MR][NR] = {}, three = _mm512_set1_epi8(3);
+  for (int64_t k = 0; k < Kp; k += 256) {
+    __m512i v[NR];
+    for (int n = 0; n < NR; n++) v[n] = _mm512_loadu_si512(w + n * Kp / 4 + k / 4);
+    for (int i = 0; i < 4; i++) {  // bit pair i holds columns k + 64i .. k + 64i + 63
+      __m512i c[NR];
+      for (int n = 0; n < NR; n++) c[n] = _mm512_and_si512(_mm512_srli_epi16(v[n], 2 * i), three);
+      for (int m = 0; m < MR; m++) {
+        __m512i xv = _mm512_loadu_si512(x + m * Kp + k + 64 * i);
+        // 64 codes (unsigned) times 64 activations (signed), each 4 products summed into an int32
+        for (int n = 0; n < NR; n++) a[m][n] = _mm512_dpbusd_epi32(a[m][n], c[n], xv);
+      }
+    }
+  }
+  for (int m = 0; m < MR; m++)
+    for (int n = 0; n < NR; n++) acc[m * NR + n] = _mm512_reduce_add_epi32(a[m][n]);
+}
+
+template <int MR, int NR>  // the same tile without VNNI: two 32-byte halves per 64-byte block
+__attribute__((target("avx2")))
+void tile_avx2(const int8_t* x, const uint8_t* w, int64_t Kp, int32_t* acc) {
+  __m256i a[MR][NR] = {}, three = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+  for (int64_t k = 0; k < Kp; k += 256)
+    for (int h = 0; h < 64; h += 32)
+      for (int i = 0; i < 4; i++) {
+        __m256i c[NR];
+        for (int n = 0; n < NR; n++)
+          c[n] = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i*)(w + n * Kp / 4 + k / 4 + h)), 2 * i), three);
+        for (int m = 0; m < MR; m++) {
+          __m256i xv = _mm256_loadu_si256((const __m256i*)(x + m * Kp + k + 64 * i + h));
+          // u8 x s8 pairs summed to int16 (at most 2 * 2 * 128: no saturation), then pairs to int32
+          for (int n = 0; n < NR; n++)
+            a[m][n] = _mm256_add_epi32(a[m][n], _mm256_madd_epi16(_mm256_maddubs_epi16(c[n], xv), ones));
+        }
+      }
+  for (int m = 0; m < MR; m++)
+    for (int n = 0; n < NR; n++) {
+      __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a[m][n]), _mm256_extracti128_si256(a[m][n], 1));
+      s = _mm_hadd_epi32(s, s);
+      acc[m * NR + n] = _mm_cvtsi128_si32(_mm_hadd_epi32(s, s));
+    }
+}
+
+using Tile = void (*)(const int8_t*, const uint8_t*, int64_t, int32_t*);
+#define TILES(f, NR) {f<1, NR>, f<2, NR>, f<3, NR>, f<4, NR>}
+static const Tile tiles[2][2][4] = {{TILES(tile_avx2, 1), TILES(tile_avx2, 4)},
+                                    {TILES(tile_vnni, 1), TILES(tile_vnni, 4)}};
+
+int64_t simd() {  // 2: AVX-512 VNNI, 1: AVX2, 0: neither (use another path)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw")) return 2;
+  return __builtin_cpu_supports("avx2") ? 1 : 0;
+}
+
+// absmax per token, then x_q = round(x * s), exactly as kernels.quantize computes them (torch
+// evaluates 127 / t as (1 / t) * 127 and rounds half to even), so every path agrees bit for bit
+__attribute__((target("avx2")))
+float quantize(const float* x, int64_t K, int8_t* q, int32_t* sum) {
+  __m256 m = _mm256_setzero_ps();
+  const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) m = _mm256_max_ps(m, _mm256_and_ps(abs, _mm256_loadu_ps(x + k)));
+  float lanes[8], amax = 0;
+  _mm256_storeu_ps(lanes, m);
+  for (float v : lanes) amax = std::max(amax, v);
+  for (; k < K; k++) amax = std::max(amax, std::fabs(x[k]));
+  const float s = (1.0f / std::max(amax, 1e-5f)) * 127.0f;
+  *sum = 0;
+  for (k = 0; k < K; k++) {
+    q[k] = (int8_t)std::min(std::max(std::nearbyint(x[k] * s), -128.0f), 127.0f);
+    *sum += q[k];
+  }
+  return s;
+}
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma, int64_t isa) {
+  TORCH_CHECK(isa == 1 || isa == 2, "this CPU has neither AVX2 nor AVX-512 VNNI");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), Kp = 4 * w.size(1);
+  auto xf = x.to(torch::kFloat).contiguous();
+  auto xq = torch::zeros({M, Kp}, x.options().dtype(torch::kChar));  // zero-padded to whole blocks
+  std::vector<int32_t> S(M);  // sum q x = sum c x - sum x
+  std::vector<float> G(M);    // gamma / s
+  const float g = gamma.to(torch::kFloat).item<float>();
+  for (int64_t m = 0; m < M; m++)
+    G[m] = g / quantize(xf.data_ptr<float>() + m * K, K, xq.data_ptr<int8_t>() + m * Kp, &S[m]);
+  auto y = torch::empty({M, N}, xf.options());
+  const int8_t* X = xq.data_ptr<int8_t>();
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  float* Y = y.data_ptr<float>();
+  // threads split the weight rows, at least 32 KiB of weights each
+  at::parallel_for(0, (N + 3) / 4, std::max<int64_t>(1, 32768 / Kp), [&](int64_t t0, int64_t t1) {
+    for (int64_t n = 4 * t0, nr; n < std::min(4 * t1, N); n += nr) {
+      nr = N - n >= 4 ? 4 : 1;
+      for (int64_t m = 0; m < M; m += 4) {
+        int mr = std::min<int64_t>(4, M - m);
+        int32_t acc[16];
+        tiles[isa - 1][nr == 4][mr - 1](X + m * Kp, W + n * Kp / 4, Kp, acc);
+        for (int i = 0; i < mr; i++)
+          for (int j = 0; j < nr; j++) Y[(m + i) * N + n + j] = float(acc[i * nr + j] - S[m + i]) * G[m + i];
+      }
+    }
+  });
+  return y;
+}
+"""
+
+
+@functools.cache
+def _cpp():
+    from torch.utils.cpp_extension import load_inline  # torch caches the build across runs
+    return load_inline('nanobitnet_cpu', CPP, functions=['linear', 'simd'], extra_cflags=['-O3', '-fopenmp'],
+                       extra_ldflags=['-fopenmp'])
+
+
+@torch.library.custom_op('nanobitnet::linear_cpp', mutates_args=(), device_types='cpu')
+def linear_cpp(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    return _cpp().linear(x.contiguous(), w.contiguous(), gamma, _cpp().simd())
+
+
+# ---------------------------------------------------------------- 4. CUDA kernel
+# Decode (up to 16 tokens) is a GEMV: one warp per weight row, each lane loading 16 bytes
+# (64 weights) at a time so that a warp reads 512 contiguous bytes per step, unpacking them in
+# registers and multiplying four at a time with dp4a. This part needs no torch headers, so it
+# compiles with plain nvcc (see the tests) on a machine without a GPU.
+GEMV_CU = r"""
+#include <cstdint>
+
+__global__ void ternary_gemv(const int8_t* __restrict__ x, const uint8_t* __restrict__ w,
+                             int32_t* __restrict__ y, int M, int N, int Kp) {
+  const int n = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int m0 = blockIdx.y * 4;  // up to 4 tokens per warp share each unpacked weight
+  if (n >= N) return;
+  const uint4* wr = reinterpret_cast<const uint4*>(w + (size_t)n * Kp / 4);
+  const int* xw = reinterpret_cast<const int*>(x);  // 4 activations per int
+  int acc[4] = {0, 0, 0, 0};
+  for (int j = lane; j < Kp / 64; j += 32) {  // uint4 j: block j / 4, its words 4 (j % 4) ..
+    const uint4 v = __ldg(wr + j);
+    const unsigned words[4] = {v.x, v.y, v.z, v.w};
+    for (int t = 0; t < 4; t++)
+      for (int i = 0; i < 4; i++) {
+        // bit pair i of word t: columns 256 (j / 4) + 64 i + 4 (4 (j % 4) + t) .. + 3
+        const int q = __vsub4((words[t] >> 2 * i) & 0x03030303u, 0x01010101u);  // codes - 1
+        const int col = 64 * (j / 4) + 16 * i + 4 * (j % 4) + t;  // in ints of 4 activations
+        for (int m = 0; m < 4 && m0 + m < M; m++) acc[m] = __dp4a(q, xw[(m0 + m) * (Kp / 4) + col], acc[m]);
+      }
+  }
+  for (int m = 0; m < 4 && m0 + m < M; m++) {
+    for (int o = 16; o > 0; o /= 2) acc[m] += __shfl_down_sync(0xffffffffu, acc[m], o);
+    if (lane == 0) y[(m0 + m) * N + n] = acc[m];
+  }
+}
+"""
+LAUNCH_CU = r"""
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+
+torch::Tensor gemv(torch::Tensor x, torch::Tensor w) {
+  const int M = x.size(0), N = w.size(0), Kp = 4 * w.size(1);
+  TORCH_CHECK(w.is_contiguous() && reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
+              "packed weights must be contiguous and 16-byte aligned; pass a whole tensor");
+  auto xp = torch::zeros({M, Kp}, x.options());
+  xp.narrow(1, 0, x.size(1)).copy_(x);
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kInt));
+  const dim3 grid((N + 3) / 4, (M + 3) / 4);  // 4 warps (weight rows) per block of 128 threads
+  ternary_gemv<<<grid, 128, 0, at::cuda::getCurrentCUDAStream()>>>(
+      xp.data_ptr<int8_t>(), w.data_ptr<uint8_t>(), y.data_ptr<int32_t>(), M, N, Kp);
+  return y;
+}
+"""
+
+
+@functools.cache
+def _cuda():
+    from torch.utils.cpp_extension import load_inline
+    return load_inline('nanobitnet_cuda', 'torch::Tensor gemv(torch::Tensor x, torch::Tensor w);',
+                       cuda_sources=GEMV_CU + LAUNCH_CU, functions=['gemv'], extra_cuda_cflags=['-O3'])
+
+
+def _mm_cuda(x_q, w):
+    M, K = x_q.shape
+    if M > 16 and K % 8 == 0 and w.shape[0] % 8 == 0:
+        # prefill is compute-bound: unpack once to int8 and let cuBLAS use the int8 tensor cores
+        return torch._int_mm(x_q, unpack(w, K).T)
+    return _cuda().gemv(x_q, w.contiguous())
+
+
+@torch.library.custom_op('nanobitnet::linear_cuda', mutates_args=(), device_types='cuda')
+def linear_cuda(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    return _linear(_mm_cuda, x, w, gamma)
+
+
+IMPLS = {'reference': linear_reference, 'compile': linear_compile, 'cpp': linear_cpp, 'cuda': linear_cuda}
+for op in IMPLS.values():
+    op.register_fake(lambda x, w, gamma: x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32))
+
+
+# ---------------------------------------------------------------- dispatch
+
+@torch.compiler.assume_constant_result  # torch.compile takes the choice as made, without tracing it
+def best(device_type):
+    """The fastest implementation that works on this machine, with a one-time notice when the
+    fast one cannot be built (no compiler, no CUDA toolkit, a CPU without AVX2)."""
+    return _choose(device_type)
+
+
+@functools.cache
+def _choose(device_type):
+    has_cxx = shutil.which(os.environ.get('CXX', 'c++')) is not None
+    try:
+        if device_type == 'cuda':
+            from torch.utils.cpp_extension import CUDA_HOME
+            if CUDA_HOME is None:
+                raise RuntimeError("no CUDA toolkit (nvcc) found")
+            _cuda()
+            return 'cuda'
+        if platform.machine().lower() not in ('x86_64', 'amd64'):
+            raise RuntimeError(f"the C++ kernel is x86-only and this is {platform.machine()}")
+        if not has_cxx:
+            raise RuntimeError("no C++ compiler found (set CXX or install g++)")
+        if not _cpp().simd():
+            raise RuntimeError("this CPU has no AVX2")
+        return 'cpp'
+    except Exception as e:  # a failed build must not stop inference, only slow it down
+        fallback = 'compile' if has_cxx or device_type == 'cuda' else 'reference'
+        warnings.warn(f"kernels.py: {e}; using the slower {fallback!r} path")
+        return fallback
+
+
+def ternary_linear(x, w, gamma, impl=None):
+    """y = (x_q @ W_q^T) * gamma / s: x (..., K) float, w packed (N, Kp/4), gamma (1,) -> (..., N)
+    in x's dtype, by `impl` (one of IMPLS) or the fastest available."""
+    K = x.shape[-1]
+    if not 0 <= 4 * w.shape[1] - K < BLOCK:
+        raise ValueError(f"activations have K={K} but the weights were packed for K={4 * w.shape[1] - BLOCK + 1}.."
+                         f"{4 * w.shape[1]}; pack W_q of shape (N, {K}) with kernels.pack")
+    y = IMPLS[impl or best(x.device.type)](x.reshape(-1, K), w, gamma)  # (M, N) fp32
+    return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
