@@ -1,0 +1,224 @@
+"""data.py's downloads against a real HTTP server on 127.0.0.1 that plays the Hugging Face hub:
+resolve URLs, LFS redirects with X-Linked-Etag, Range requests, gated files. No mocks."""
+import hashlib
+import http.server
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import data
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Hub(http.server.BaseHTTPRequestHandler):
+    """GET /[datasets/]{repo}/resolve/{revision}/{file}: small files served directly, large
+    ('lfs') ones redirected to /cdn/... with their sha256 in X-Linked-Etag, as the hub does."""
+
+    def log_message(self, *args):
+        pass
+
+    def send(self, code, body=b'', headers=()):
+        self.send_response(code)
+        for k, v in headers:
+            self.send_header(k, v)
+        self.send_header('Content-Length', str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        hub = self.server
+        hub.log.append((self.path, self.headers.get('Range'), self.headers.get('Authorization')))
+        if self.path.startswith('/cdn/'):
+            body = hub.files[self.path[len('/cdn/'):]]['body']
+            time.sleep(hub.delay)
+            if self.path in hub.cut:  # the first transfer dies half-way through
+                hub.cut.remove(self.path)
+                self.send_response(200)
+                self.send_header('Content-Length', str(len(body)))
+                self.end_headers()
+                self.wfile.write(body[:len(body) // 2])
+                return
+            start = int(re.fullmatch(r'bytes=(\d+)-', self.headers['Range'])[1]) if self.headers.get('Range') else 0
+            if start:
+                return self.send(206, body[start:], [('Content-Range', f'bytes {start}-{len(body) - 1}/{len(body)}')])
+            return self.send(200, body)
+        key = re.sub(r'/resolve/[^/]+/', '/', self.path.lstrip('/'))
+        f = hub.files.get(key)
+        if f is None:
+            return self.send(404, b'Entry not found')
+        if f.get('gated') and self.headers.get('Authorization') != 'Bearer secret':
+            return self.send(401, b'Access to this repo is restricted')
+        if f.get('lfs'):
+            sha = f.get('sha') or hashlib.sha256(f['body']).hexdigest()
+            return self.send(302, headers=[('Location', f'/cdn/{key}'), ('X-Linked-Etag', f'"{sha}"')])
+        # a small file: the ETag is its git blob sha1, which is not a sha256 and must be ignored
+        return self.send(200, f['body'], [('ETag', '"' + hashlib.sha1(f['body']).hexdigest() + '"')])
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Hub)
+    server.files, server.log, server.cut, server.delay = {}, [], set(), 0.0
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv('HF_ENDPOINT', f'http://127.0.0.1:{server.server_port}')
+    monkeypatch.setenv('NANOBITNET_CACHE', str(tmp_path / 'cache'))
+    for var in ('HF_TOKEN', 'HF_HUB_OFFLINE', 'LOCAL_RANK'):
+        monkeypatch.delenv(var, raising=False)
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def blob(n, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def read(path):
+    with open(path, 'rb') as f:
+        return f.read()
+
+
+def test_redirect_checksum_and_cache(hub):
+    body = blob(3_000_000)
+    hub.files['org/model/model.safetensors'] = {'body': body, 'lfs': True}
+    path = data.hub_download('org/model', 'model.safetensors')
+    assert read(path) == body and not os.path.exists(path + '.part')
+    assert [p for p, _, _ in hub.log] == ['/org/model/resolve/main/model.safetensors', '/cdn/org/model/model.safetensors']
+    assert data.hub_download('org/model', 'model.safetensors') == path and len(hub.log) == 2  # cached: no request
+
+
+def test_dataset_files_and_hf_names(hub, tmp_path):
+    hub.files['datasets/org/stories/dir/valid.txt'] = {'body': b'Once upon a time.'}
+    assert read(data.fetch('hf://datasets/org/stories/dir/valid.txt')) == b'Once upon a time.'
+    assert read(data.fetch('hf://datasets/org/stories@v2/dir/valid.txt', str(tmp_path / 'here'))) == b'Once upon a time.'
+    assert os.path.exists(tmp_path / 'here' / 'valid.txt')
+    assert [p for p, _, _ in hub.log] == ['/datasets/org/stories/resolve/main/dir/valid.txt',
+                                          '/datasets/org/stories/resolve/v2/dir/valid.txt']
+
+
+def test_cut_transfer_resumes_with_range(hub):
+    body = blob(2_000_000, seed=1)
+    hub.files['org/model/big.bin'] = {'body': body, 'lfs': True}
+    hub.cut.add('/cdn/org/model/big.bin')
+    assert read(data.hub_download('org/model', 'big.bin')) == body
+    ranges = [r for p, r, _ in hub.log if p.startswith('/cdn/')]
+    assert ranges[0] is None and ranges[1] is not None
+    resumed_at = int(re.fullmatch(r'bytes=(\d+)-', ranges[1])[1])
+    assert 0 < resumed_at < len(body)
+
+
+def test_404_and_401_say_what_to_do(hub, monkeypatch):
+    hub.files['org/gated/config.json'] = {'body': b'{}', 'gated': True}
+    with pytest.raises(data.DownloadError) as e:
+        data.hub_download('org/model', 'missing.bin')
+    msg = str(e.value)
+    assert e.value.status == 404 and 'HTTP 404, not found' in msg and '/org/model/resolve/main/missing.bin' in msg
+    assert 'local path' in msg and '\n' not in msg
+    with pytest.raises(data.DownloadError) as e:
+        data.hub_download('org/gated', 'config.json')
+    assert e.value.status == 401 and 'set HF_TOKEN' in str(e.value) and '\n' not in str(e.value)
+    monkeypatch.setenv('HF_TOKEN', 'secret')
+    assert read(data.hub_download('org/gated', 'config.json')) == b'{}'
+    assert hub.log[-1][2] == 'Bearer secret'
+
+
+def test_checksum_mismatch_leaves_no_file(hub):
+    hub.files['org/model/model.safetensors'] = {'body': blob(100_000), 'lfs': True, 'sha': 'ab' * 32}
+    dest = os.path.join(data.cache_dir(), 'models', 'org/model', 'main', 'model.safetensors')
+    with pytest.raises(data.DownloadError, match="sha256 .* is not the hub's abababab"):
+        data.hub_download('org/model', 'model.safetensors')
+    assert not os.path.exists(dest) and not os.path.exists(dest + '.part')
+
+
+def test_unreachable_and_offline(hub, monkeypatch):
+    monkeypatch.setenv('HF_ENDPOINT', 'http://127.0.0.1:9')  # nothing listens on the discard port
+    with pytest.raises(data.DownloadError) as e:
+        data.hub_download('org/model', 'config.json')
+    assert 'cannot download http://127.0.0.1:9/org/model/resolve/main/config.json' in str(e.value)
+    assert 'pass its local path' in str(e.value) and '\n' not in str(e.value)
+    monkeypatch.setenv('HF_HUB_OFFLINE', '1')
+    with pytest.raises(data.DownloadError, match='HF_HUB_OFFLINE is set'):
+        data.hub_download('org/model', 'config.json')
+
+
+RANK_SCRIPT = """
+import hashlib, sys
+sys.path.insert(0, {root!r})
+import data
+path = data.hub_download('org/model', 'model.safetensors')
+print(hashlib.sha256(open(path, 'rb').read()).hexdigest())
+"""
+
+
+def test_two_local_ranks_one_downloads(hub, tmp_path):
+    body = blob(1_000_000, seed=2)
+    hub.files['org/model/model.safetensors'] = {'body': body, 'lfs': True}
+    hub.delay = 1.0  # rank 1 must really wait for rank 0
+    script = tmp_path / 'rank.py'
+    script.write_text(RANK_SCRIPT.format(root=ROOT))
+    procs = []
+    for rank in (1, 0):
+        procs.append(subprocess.Popen([sys.executable, str(script)], env={**os.environ, 'LOCAL_RANK': str(rank)},
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        time.sleep(0.3)
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert [o.strip() for o, _ in outs] == [hashlib.sha256(body).hexdigest()] * 2
+    assert [p for p, _, _ in hub.log].count('/org/model/resolve/main/model.safetensors') == 1
+
+
+def test_resolve_model_single_and_sharded(hub, tmp_path):
+    index = {'weight_map': {'a': 'model-00001-of-00002.safetensors', 'b': 'model-00002-of-00002.safetensors'}}
+    files = {'config.json': b'{"model_type": "llama"}', 'tokenizer.json': b'{}',
+             'model.safetensors.index.json': json.dumps(index).encode(),
+             'model-00001-of-00002.safetensors': blob(1000, 3), 'model-00002-of-00002.safetensors': blob(1000, 4)}
+    for name, body in files.items():
+        hub.files[f'org/sharded/{name}'] = {'body': body, 'lfs': name.endswith('.safetensors')}
+    hub.files['org/single/config.json'] = {'body': b'{}'}
+    hub.files['org/single/model.safetensors'] = {'body': blob(500), 'lfs': True}
+    folder = data.resolve_model('org/sharded')
+    assert all(read(os.path.join(folder, n)) == b for n, b in files.items())
+    folder = data.resolve_model('org/single')
+    assert sorted(os.listdir(folder)) == ['.complete', 'config.json', 'model.safetensors']  # no tokenizer.json: fine
+    assert data.resolve_model(str(tmp_path)) == str(tmp_path)
+    with pytest.raises(FileNotFoundError, match='neither a model directory nor a hub id'):
+        data.resolve_model('no/such/dir')
+
+
+def test_setup_data_from_the_hub(hub, tmp_path):
+    shard = tmp_path / 'fineweb_train_000001.bin'
+    header = np.zeros(256, np.int32)
+    header[:3] = 20240520, 1, 3000
+    shard.write_bytes(header.tobytes() + np.arange(3000, dtype=np.uint16).tobytes())
+    hub.files['datasets/org/fw/fineweb_train_000001.bin'] = {'body': shard.read_bytes(), 'lfs': True}
+    hub.files['datasets/org/fw/fineweb_val_000000.bin'] = {'body': shard.read_bytes(), 'lfs': True}
+    folder = data.setup_data(str(tmp_path / 'fw'), {'train': ['hf://datasets/org/fw/fineweb_train_000001.bin'],
+                                                    'val': 'hf://datasets/org/fw/fineweb_val_000000.bin'}, 'gpt2', 'tokens')
+    x = data.Loader(folder, 2, 32, split='val').next_batch()['x']
+    assert x[0, 1] - x[0, 0] == 1 and sorted(os.listdir(folder))[0] == 'fineweb_train_000001.bin'
+
+    hub.files['datasets/org/stories/train.txt'] = {'body': '<|endoftext|>\n'.join(['A story.'] * 300).encode(), 'lfs': True}
+    hub.files['datasets/org/stories/valid.txt'] = {'body': b'The end.\n<|endoftext|>\nReally.'}
+    folder = data.setup_data(str(tmp_path / 'st'), {'train': 'hf://datasets/org/stories/train.txt',
+                                                    'val': 'hf://datasets/org/stories/valid.txt'}, 'bytes', 'text')
+    val = data.read_shard(os.path.join(folder, 'val_000000.bin'))
+    assert data.byte_encoding().decode(val.tolist()) == '<|endoftext|>The end.<|endoftext|>Really.'
+
+
+def test_tokenizer_from_a_hub_model_id(hub):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(['hello world, hello there'] * 50, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=['<|endoftext|>'], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    hub.files['org/tiny/tokenizer.json'] = {'body': tok.to_str().encode()}
+    enc = data.get_tokenizer('org/tiny')
+    assert enc.encode_ordinary('hello world') == tok.encode('hello world').ids and data.eos_id(enc) == 0
