@@ -22,6 +22,7 @@ The losses (REFERENCE.md section 4):
 This file needs only torch (and requests for the remote teacher) and a model that is
 called as model(idx, causal=..., hidden=..., qkv_layer=...) like model.py's Transformer.
 """
+import json
 import math
 import time
 
@@ -195,6 +196,25 @@ class DPO(Objective):
         pi = sequence_logprob(model(x), y)
         ref = sequence_logprob(teacher(x)['logits'], y)
         return dpo_loss(pi[:n], pi[n:], ref[:n], ref[n:], self.beta)
+
+
+def preference_pairs(path, enc, block_size, eos):
+    """A jsonl of {"prompt", "chosen", "rejected"} as DPO's pairs: four (N, block_size) tensors
+    x_w, y_w, x_l, y_l. Each answer follows its prompt and ends with eos; the targets of the
+    prompt and of the padding are IGNORE."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            ex = json.loads(line)
+            prompt = enc.encode_ordinary(ex['prompt'])
+            for answer in (ex['chosen'], ex['rejected']):
+                ids = (prompt + enc.encode_ordinary(answer) + [eos])[:block_size + 1]
+                x, y = torch.full((block_size,), eos), torch.full((block_size,), IGNORE)
+                x[:len(ids) - 1] = torch.tensor(ids[:-1])
+                y[len(prompt) - 1:len(ids) - 1] = torch.tensor(ids[len(prompt):])
+                rows.append((x, y))
+    x, y = torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+    return x[0::2], y[0::2], x[1::2], y[1::2]
 
 
 OBJECTIVES = {'ce': CrossEntropy, 'kd': LogitsKD, 'attn': AttentionRelationKD, 'hidden': HiddenStateKD,

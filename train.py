@@ -27,16 +27,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bitlinear import set_lambda
 from configurator import configure
-from data import get_batch, get_tokenizer, offline_corpus
+from data import Loader, get_batch, get_tokenizer, eos_id, offline_corpus, setup_data, source_scores
 from model import ModelConfig, Transformer
-from objectives import OBJECTIVES, CurriculumScheduler, LocalTeacher, ObjectiveManager, RemoteTeacher, ce_loss
+from objectives import OBJECTIVES, preference_pairs, CurriculumScheduler, LocalTeacher, ObjectiveManager, RemoteTeacher, ce_loss
 
 _imported = set(globals())  # everything defined below, up to the ruler, is a setting
 # -----------------------------------------------------------------------------
 # default settings: a tiny ternary model on the offline corpus, trained on the CPU
 # I/O
 out_dir = 'out'
-init_from = 'scratch'  # 'scratch', 'resume' (the last checkpoint in out_dir), or an HF checkpoint dir
+init_from = 'scratch'  # 'scratch', 'resume' (the last checkpoint in out_dir), an HF checkpoint dir or hub id
 eval_interval = 50     # evaluate on val every this many optimizer steps (and at the end)
 eval_iters = 20        # batches per evaluation
 log_interval = 10
@@ -48,7 +48,16 @@ sample_tokens = 300    # printed at the end of training; 0 to skip
 wandb_log = False
 wandb_project = 'nanobitnet'
 # data
-tokenizer = 'bytes'
+tokenizer = 'bytes'    # 'bytes' (offline), a tiktoken name, a tokenizer.json, or a hub model id
+dataset = ''           # a folder of token shards (data.py); '' is the offline corpus
+data_files = {}        # {'train': [...], 'val': [...]}: paths, URLs or hf:// files that make `dataset`, once
+data_format = 'text'   # of data_files: 'text', 'jsonl', 'chat' (SFT: loss on the answers) or 'tokens' (llm.c)
+text_field = 'text'    # jsonl: the field that holds the text
+mixture = {}           # {name: (folder, weight)}: train on several prepared folders (val stays `dataset`'s)
+remix_interval = 0     # influence-based remixing of the mixture weights every this many steps (0: fixed)
+remix_eta = 1.0
+remix_floor = 0.05
+dpo_data = ''          # a jsonl of {prompt, chosen, rejected} for the dpo objective
 batch_size = 16        # sequences per rank per micro-step
 block_size = 128
 gradient_accumulation_steps = 1  # for the global batch; divided by the number of DDP ranks
@@ -62,7 +71,7 @@ act = 'silu'
 rope_theta = 10000.0
 tie_embeddings = True
 bitnet = True          # ternary attention/MLP linears with SubLN; False gives the fp twin
-lambda_warmup = 0      # optimizer steps over which quantization ramps from fp (0) to ternary (1)
+lambda_warmup = 0.0    # fraction of max_steps over which quantization ramps from fp (0) to ternary (1)
 lrc_rank = 0           # low-rank correction adapters on every BitLinear (0: none)
 # objectives: name -> settings (see objectives.py), weighed by a curriculum of phases
 # [(end as a fraction of max_steps, {name: weight}), ...], switched or blended ('linear', 'cosine')
@@ -126,17 +135,51 @@ torch.manual_seed(seed + rank)
 if master:
     os.makedirs(out_dir, exist_ok=True)
 
-# data: the global batch of a step is a function of (seed, step, sequence index), so a
-# resumed run sees exactly the batches it would have seen, and so does a run on more ranks
-enc = get_tokenizer(tokenizer)
-train_data, val_data = offline_corpus(enc)
+# data: the offline corpus, or token shards that data.py downloads and prepares once (local
+# rank 0 works, the others wait). Either way a resumed run sees exactly the batches it would
+# have seen: the corpus's batches are a function of (seed, step, sequence index), and the
+# shard loader's position travels in the checkpoint.
+try:
+    enc = get_tokenizer(tokenizer)
+    if mixture and not dataset:
+        raise ValueError("a mixture needs dataset= too, the folder whose val split is evaluated")
+    if remix_interval and not mixture:
+        raise ValueError("remix_interval reweighs a mixture; set mixture={name: (folder, weight), ...}")
+    if dataset:
+        setup_data(dataset, data_files, tokenizer, data_format, text_field)
+        loader = Loader(mixture or dataset, batch_size, block_size, 'train', rank, world_size, seed)
+    else:
+        loader, (train_data, val_data) = None, offline_corpus(enc)
+    pairs = preference_pairs(dpo_data, enc, block_size, eos_id(enc)) if dpo_data else None
+except (OSError, ValueError, KeyError) as e:
+    sys.exit(f"error: data: {e}")
+loader_state = None
 
 
-def batch(step, micro, data=train_data):
+def batch(step, micro, data=None):
+    """This rank's micro-batch `micro` of optimizer step `step`: {'x', 'y'} (and DPO's 'pairs')."""
+    global loader_state
     index = micro * world_size + rank  # this rank's slice of the step's global batch
     rng = torch.Generator().manual_seed((seed * 1_000_003 + step) * 65_537 + index)
-    x, y = get_batch(data, batch_size, block_size, rng)
-    return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    if data is None and loader:
+        if micro == 0:
+            loader_state = loader.state_dict()  # where a run resumed at this step starts reading
+        b = loader.next_batch()
+    else:
+        b = dict(zip('xy', get_batch(train_data if data is None else data, batch_size, block_size, rng)))
+    b = {k: b[k].to(device, non_blocking=True) for k in 'xy'}
+    if pairs:
+        i = torch.randint(len(pairs[0]), (batch_size,), generator=rng)
+        b['pairs'] = tuple(t[i].to(device) for t in pairs)
+    return b
+
+
+def val_batches(n):
+    """The same n val batches at every evaluation."""
+    if not loader:
+        return [batch(-1, i, val_data) for i in range(n)]
+    val = Loader(dataset, batch_size, block_size, 'val', rank, world_size, seed)
+    return [{k: v.to(device) for k, v in val.next_batch().items() if k in 'xy'} for _ in range(n)]
 
 
 def checkpoints(folder):
@@ -316,9 +359,13 @@ if state is not None:
     scaler.load_state_dict(state['scaler'])
     if zclipper:
         zclipper.load_state_dict(state['zclip'])
+    if len(state['rng']) != world_size:
+        sys.exit(f"error: {src} was trained on {len(state['rng'])} ranks; resume on as many")
     torch.set_rng_state(state['rng'][rank]['cpu'])  # e.g. the masks of masked diffusion
     if device_type == 'cuda' and state['rng'][rank]['cuda'] is not None:
         torch.cuda.set_rng_state(state['rng'][rank]['cuda'])
+    if loader:
+        loader.load_state_dict(state['rng'][rank]['data'])
     if master:
         print(f"resumed from {src} at step {step}: weights, optimizer, schedule, RNG and data position restored "
               f"(best val {best_val:.4f} at step {best_step})")
@@ -334,16 +381,16 @@ def all_mean(x):
     return x
 
 
-def micro_steps(step, x, y):
+def micro_steps(step, b):
     """Forward and backward over the step's micro-batches; returns the mean loss and metrics."""
     loss_sum, metrics = torch.zeros((), device=device), {}
     for micro in range(gradient_accumulation_steps):
         if ddp:  # all-reduce the gradients only once, after the last micro-step
             model.require_backward_grad_sync = micro == gradient_accumulation_steps - 1
         with ctx:
-            loss, parts = manager(model, {'x': x, 'y': y}, step / max_steps)
+            loss, parts = manager(model, b, step / max_steps)
         if micro + 1 < gradient_accumulation_steps:  # fetch the next batch while the GPU works
-            x, y = batch(step, micro + 1)
+            b = batch(step, micro + 1)
         loss_sum += loss.detach()
         for k, v in parts.items():  # the mean over micro-steps, like the loss
             metrics[k] = metrics.get(k, 0.0) + v / gradient_accumulation_steps
@@ -370,17 +417,27 @@ def evaluate():
     """Mean val loss over eval_iters batches; the same batches at every evaluation."""
     model.eval()
     losses = torch.zeros(eval_iters, device=device)
-    for i in range(eval_iters):
-        x, y = batch(-1, i, val_data)
+    for i, b in enumerate(val_batches(eval_iters)):
         with ctx:
-            losses[i] = ce_loss(model(x), y)
+            losses[i] = ce_loss(model(b['x']), b['y'])
     model.train()
     return all_mean(losses.mean()).item()  # a CPU-GPU sync
 
 
+def remix():
+    """Influence-based remixing: score each mixture source by the cosine between the gradient
+    of its batch and that of val batches, and move the sampling weights toward the helpful."""
+    def loss(m, b):
+        with ctx:
+            return ce_loss(m(b['x'].to(device)), b['y'].to(device))
+    scores = source_scores(model, loss, loader.source_batches(), val_batches(2))
+    return {f'mix_{n}': w for n, w in loader.reweight(scores, remix_eta, remix_floor).items()}
+
+
 def rng_states():
     """The RNG state of every rank, gathered on all of them (rank 0 saves it)."""
-    mine = {'cpu': torch.get_rng_state(), 'cuda': torch.cuda.get_rng_state() if device_type == 'cuda' else None}
+    mine = {'cpu': torch.get_rng_state(), 'cuda': torch.cuda.get_rng_state() if device_type == 'cuda' else None,
+            'data': loader_state}
     if not ddp:
         return [mine]
     every = [None] * world_size
@@ -423,7 +480,7 @@ def find_lr(steps=100, lo=1e-8, hi=1.0):
     for i in range(steps):
         lr = lo * (hi / lo) ** (i / (steps - 1))
         set_lr(0, lr / learning_rate)
-        loss, _ = micro_steps(0, *batch(i, 0))
+        loss, _ = micro_steps(0, batch(i, 0))
         for opt in optimizers:
             scaler.step(opt)
             opt.zero_grad(set_to_none=True)
@@ -521,12 +578,12 @@ if master:
 start_step = step_last = step
 t_start = t_last = time.time()
 tokens_seen, nan_run = step * tokens_per_step, 0
-x, y = batch(step, 0)
+b = batch(step, 0)
 while step < max_steps:
     lrs = set_lr(step)
     if lambda_warmup:
-        set_lambda(raw_model, min(1.0, step / lambda_warmup))
-    train_loss, metrics = micro_steps(step, x, y)
+        set_lambda(raw_model, min(1.0, step / (lambda_warmup * max_steps)))
+    train_loss, metrics = micro_steps(step, b)
     grad_norm, zclipped = clip_gradients()
     skipped = not math.isfinite(grad_norm.item())
     if skipped:  # a NaN/Inf loss or gradient: skip the update, and give up after a run of them
@@ -542,17 +599,18 @@ while step < max_steps:
         opt.zero_grad(set_to_none=True)
     step += 1
     tokens_seen += tokens_per_step
-    x, y = batch(step, 0)
+    mix = remix() if remix_interval and step % remix_interval == 0 else {}  # before the next batch is drawn
+    b = batch(step, 0)
 
     last = step == max_steps
     is_eval = step % eval_interval == 0 or last
     improved = stop = False
-    if step % log_interval == 0 or is_eval or skipped or zclipped:
+    if step % log_interval == 0 or is_eval or skipped or zclipped or mix:
         now = time.time()
         tok_per_s = tokens_per_step * (step - step_last) / (now - t_last)
         rec = {'step': step, 'loss': all_mean(train_loss).item(), 'grad_norm': grad_norm.item(), **lrs,
                'tokens': tokens_seen, 'tok_per_s': round(tok_per_s), 'time_s': round(now - t_start, 2)}
-        rec.update({k: all_mean(v).item() if torch.is_tensor(v) else v for k, v in metrics.items()})
+        rec.update({k: all_mean(v).item() if torch.is_tensor(v) else v for k, v in metrics.items()}, **mix)
         if skipped:
             rec['skipped'] = nan_run
         if zclipped:

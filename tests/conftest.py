@@ -1,5 +1,78 @@
+"""Shared by the tests: the project root on sys.path, and a fake Hugging Face hub served over
+real HTTP on 127.0.0.1 (HF_ENDPOINT points at it; no mocks)."""
+import hashlib
+import http.server
 import os
+import re
 import sys
+import threading
+import time
+
+import numpy as np
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+
+class Hub(http.server.BaseHTTPRequestHandler):
+    """GET /[datasets/]{repo}/resolve/{revision}/{file}: small files served directly, large
+    ('lfs') ones redirected to /cdn/... with their sha256 in X-Linked-Etag, as the hub does."""
+
+    def log_message(self, *args):
+        pass
+
+    def send(self, code, body=b'', headers=()):
+        self.send_response(code)
+        for k, v in headers:
+            self.send_header(k, v)
+        self.send_header('Content-Length', str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        hub = self.server
+        hub.log.append((self.path, self.headers.get('Range'), self.headers.get('Authorization')))
+        if self.path.startswith('/cdn/'):
+            body = hub.files[self.path[len('/cdn/'):]]['body']
+            time.sleep(hub.delay)
+            if self.path in hub.cut:  # the first transfer dies half-way through
+                hub.cut.remove(self.path)
+                self.send_response(200)
+                self.send_header('Content-Length', str(len(body)))
+                self.end_headers()
+                self.wfile.write(body[:len(body) // 2])
+                return
+            start = int(re.fullmatch(r'bytes=(\d+)-', self.headers['Range'])[1]) if self.headers.get('Range') else 0
+            if start:
+                return self.send(206, body[start:], [('Content-Range', f'bytes {start}-{len(body) - 1}/{len(body)}')])
+            return self.send(200, body)
+        key = re.sub(r'/resolve/[^/]+/', '/', self.path.lstrip('/'))
+        f = hub.files.get(key)
+        if f is None:
+            return self.send(404, b'Entry not found')
+        if f.get('gated') and self.headers.get('Authorization') != 'Bearer secret':
+            return self.send(401, b'Access to this repo is restricted')
+        if f.get('lfs'):
+            sha = f.get('sha') or hashlib.sha256(f['body']).hexdigest()
+            return self.send(302, headers=[('Location', f'/cdn/{key}'), ('X-Linked-Etag', f'"{sha}"')])
+        # a small file: the ETag is its git blob sha1, which is not a sha256 and must be ignored
+        return self.send(200, f['body'], [('ETag', '"' + hashlib.sha1(f['body']).hexdigest() + '"')])
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Hub)
+    server.files, server.log, server.cut, server.delay = {}, [], set(), 0.0
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv('HF_ENDPOINT', f'http://127.0.0.1:{server.server_port}')
+    monkeypatch.setenv('NANOBITNET_CACHE', str(tmp_path / 'cache'))
+    for var in ('HF_TOKEN', 'HF_HUB_OFFLINE', 'LOCAL_RANK'):
+        monkeypatch.delenv(var, raising=False)
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def blob(n, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()

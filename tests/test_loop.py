@@ -70,10 +70,26 @@ def teacher_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope='module')
+def shard_dirs(tmp_path_factory):
+    """Two prepared sources: the offline corpus's first and second halves, as text files."""
+    sys.path.insert(0, ROOT)
+    from pydoc_data.topics import topics
+    import data
+    root, names = tmp_path_factory.mktemp('shards'), sorted(topics)
+    for part, keys in (('a', names[:40]), ('b', names[40:])):
+        (root / f'{part}.txt').write_text('<|endoftext|>'.join(topics[k] for k in keys))
+        data.prepare([str(root / f'{part}.txt')], str(root / part), val_every=4)
+    return str(root / 'a'), str(root / 'b')
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize('variant', ['adamw', 'muon', 'distill'])
-def test_resume_after_sigkill_is_bit_exact(tmp_path, variant, teacher_dir):
+@pytest.mark.parametrize('variant', ['adamw', 'muon', 'distill', 'mixture'])
+def test_resume_after_sigkill_is_bit_exact(tmp_path, variant, teacher_dir, shard_dirs):
     args = ['--max_steps=8', '--ckpt_interval=2']
+    if variant == 'mixture':  # token shards: the loader's position and the remixed weights are restored
+        args += [f'--dataset={shard_dirs[0]}', f"--mixture={{'a': ('{shard_dirs[0]}', 1.0), 'b': ('{shard_dirs[1]}', 1.0)}}",
+                 '--remix_interval=3']
     if variant == 'muon':
         args += ['--optimizer=muon']
     if variant == 'distill':  # logits KD from a teacher, plus diffusion, whose masks use the RNG
@@ -99,6 +115,8 @@ def test_resume_after_sigkill_is_bit_exact(tmp_path, variant, teacher_dir):
         assert x['loss'] == y['loss'] and x['lr_hidden'] == y['lr_hidden'] and x.get('val_loss') == y.get('val_loss'), (x, y)
     if variant == 'distill':
         assert a[-1]['loss_kd'] == b[-1]['loss_kd'] and 'loss_diffusion' in b[-1]
+    if variant == 'mixture':
+        assert a[5]['mix_a'] == b[5]['mix_a'] and a[5]['mix_a'] != 0.5  # reweighted at step 6, after the resume
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """train.py and sample.py end to end, as a user runs them: real processes, real files."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -102,3 +103,32 @@ def test_ddp_two_ranks_on_cpu(tmp_path):
     recs = log(out)
     assert [rec['step'] for rec in recs] == [1, 2, 3] and recs[-1]['tokens'] == 3 * 256
     assert os.path.isdir(os.path.join(out, 'ckpt_0000003'))
+
+
+def test_sft_on_chat_jsonl_and_dpo_on_preference_pairs(tmp_path):
+    """SFT: a chat jsonl is prepared with loss masks and trained on. DPO: a model that starts as
+    its own reference has loss_dpo = ln 2 exactly at the first step, and trains from there."""
+    from pydoc_data.topics import topics
+    chats = [{'messages': [{'role': 'user', 'content': topics[k][:150]}, {'role': 'assistant', 'content': topics[k][150:400]}]}
+             for k in sorted(topics)] * 3
+    (tmp_path / 'chat.jsonl').write_text('\n'.join(json.dumps(c) for c in chats))
+    sft = str(tmp_path / 'sft')
+    r = run([*TINY, f'--out_dir={sft}', '--max_steps=2', f'--dataset={tmp_path / "chat"}', '--data_format=chat',
+             f"--data_files={{'train': '{tmp_path / 'chat.jsonl'}'}}", '--bitnet=False'])
+    assert r.returncode == 0, r.stderr
+    assert 'prepared' in r.stdout and all(math.isfinite(rec['loss']) for rec in log(sft))
+
+    dpo = str(tmp_path / 'dpo')
+    r = run([*TINY, 'config/dpo.py', f'--out_dir={dpo}', f'--init_from={sft}', f'--teacher={sft}', '--bitnet=False',
+             '--max_steps=3', '--eval_interval=3'])
+    assert r.returncode == 0, r.stderr
+    recs = log(dpo)
+    assert abs(recs[0]['loss_dpo'] - math.log(2)) < 1e-6 and recs[0]['w_dpo'] == 1.0
+    assert all(math.isfinite(rec['loss_dpo']) for rec in recs)
+
+
+def test_bad_data_settings_fail_in_one_line(tmp_path):
+    r = run([*TINY, f'--out_dir={tmp_path}', '--remix_interval=5'])
+    assert r.returncode != 0 and r.stderr.strip().count('\n') == 0 and 'mixture' in r.stderr
+    r = run([*TINY, f'--out_dir={tmp_path}', f'--dataset={tmp_path / "none"}'])
+    assert r.returncode != 0 and r.stderr.strip().count('\n') == 0 and 'shards' in r.stderr
