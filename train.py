@@ -141,10 +141,8 @@ if master:
 # shard loader's position travels in the checkpoint.
 try:
     enc = get_tokenizer(tokenizer)
-    if mixture and not dataset:
-        raise ValueError("a mixture needs dataset= too, the folder whose val split is evaluated")
-    if remix_interval and not mixture:
-        raise ValueError("remix_interval reweighs a mixture; set mixture={name: (folder, weight), ...}")
+    if (mixture and not dataset) or (remix_interval and not mixture):
+        raise ValueError("mixture= needs dataset= (whose val split is evaluated); remix_interval needs mixture=")
     if dataset:
         setup_data(dataset, data_files, tokenizer, data_format, text_field)
         loader = Loader(mixture or dataset, batch_size, block_size, 'train', rank, world_size, seed)
@@ -234,28 +232,20 @@ if master:
     print(f"{kind} model: {raw_model.num_params() / 1e6:.2f}M parameters, init_from={init_from}")
 
 # objectives and the teacher they distil from
-if teacher.startswith(('http://', 'https://')):
-    teacher_net = RemoteTeacher(teacher, teacher_model, top_k=teacher_top_k)
-elif teacher:
-    teacher_net = LocalTeacher(load(teacher)[0], device, ptdtype)
-    if teacher_net.model.config.vocab_size != raw_model.config.vocab_size:
-        sys.exit(f"error: teacher vocab {teacher_net.model.config.vocab_size} != student vocab {raw_model.config.vocab_size}; both must share a tokenizer")
-else:
-    teacher_net = None
-unknown = set(objectives) - set(OBJECTIVES)
-if unknown:
-    sys.exit(f"error: unknown objectives {sorted(unknown)}; choose from {sorted(OBJECTIVES)}")
-if 'diffusion' in objectives:  # a dedicated mask token: the tokenizer's, or a spare embedding row
-    if '<|mask|>' in enc.special_tokens_set:
-        mask_id = enc.encode_single_token('<|mask|>')
-    elif raw_model.config.vocab_size > enc.n_vocab:
-        mask_id = enc.n_vocab  # a padding row of the embedding, which no text ever produces
-    else:
+teacher_net = RemoteTeacher(teacher, teacher_model, top_k=teacher_top_k) if teacher.startswith(('http://', 'https://')) \
+    else LocalTeacher(load(teacher)[0], device, ptdtype) if teacher else None
+if isinstance(teacher_net, LocalTeacher) and teacher_net.model.config.vocab_size != raw_model.config.vocab_size:
+    sys.exit(f"error: teacher vocab {teacher_net.model.config.vocab_size} != student vocab {raw_model.config.vocab_size}; both must share a tokenizer")
+if 'diffusion' in objectives:  # a dedicated mask token: the tokenizer's, or a spare (padding) row of the embedding
+    mask_id = enc.encode_single_token('<|mask|>') if '<|mask|>' in enc.special_tokens_set else enc.n_vocab
+    if mask_id >= raw_model.config.vocab_size:
         sys.exit("error: diffusion needs a mask token; the tokenizer has no <|mask|> and the embedding no spare row")
     objectives['diffusion'].setdefault('mask_id', mask_id)
 try:
     manager = ObjectiveManager({n: OBJECTIVES[n](**kw) for n, kw in objectives.items()},
                                CurriculumScheduler(curriculum, blend), teacher_net, raw_model.config.n_layer)
+except KeyError as e:
+    sys.exit(f"error: unknown objective {e}; choose from {sorted(OBJECTIVES)}")
 except (TypeError, ValueError) as e:
     sys.exit(f"error: objectives/curriculum: {e}")
 
@@ -345,12 +335,6 @@ class ZClip:
         self.var = self.alpha * self.var + (1 - self.alpha) * (clipped - self.mu) ** 2
         return clipped
 
-    def state_dict(self):
-        return {'norms': self.norms, 'mu': self.mu, 'var': self.var}
-
-    def load_state_dict(self, s):
-        self.norms, self.mu, self.var = list(s['norms']), s['mu'], s['var']
-
 
 zclipper = ZClip(zclip_z) if zclip else None
 if state is not None:
@@ -358,7 +342,7 @@ if state is not None:
         opt.load_state_dict(sd)
     scaler.load_state_dict(state['scaler'])
     if zclipper:
-        zclipper.load_state_dict(state['zclip'])
+        vars(zclipper).update(state['zclip'])
     if len(state['rng']) != world_size:
         sys.exit(f"error: {src} was trained on {len(state['rng'])} ranks; resume on as many")
     torch.set_rng_state(state['rng'][rank]['cpu'])  # e.g. the masks of masked diffusion
@@ -369,10 +353,8 @@ if state is not None:
     if master:
         print(f"resumed from {src} at step {step}: weights, optimizer, schedule, RNG and data position restored "
               f"(best val {best_val:.4f} at step {best_step})")
-if compile:
-    model = torch.compile(model)
-if ddp:
-    model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
+model = torch.compile(model) if compile else model
+model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None) if ddp else model
 
 
 def all_mean(x):
@@ -438,10 +420,9 @@ def rng_states():
     """The RNG state of every rank, gathered on all of them (rank 0 saves it)."""
     mine = {'cpu': torch.get_rng_state(), 'cuda': torch.cuda.get_rng_state() if device_type == 'cuda' else None,
             'data': loader_state}
-    if not ddp:
-        return [mine]
-    every = [None] * world_size
-    dist.all_gather_object(every, mine)
+    every = [mine] * world_size
+    if ddp:
+        dist.all_gather_object(every, mine)
     return every
 
 
@@ -453,7 +434,7 @@ def save_checkpoint(step, rngs, opt_states):
     raw_model.save_pretrained(tmp)
     torch.save({'step': step, 'best_val': best_val, 'best_step': best_step, 'bad_evals': bad_evals,
                 'optimizers': opt_states, 'scaler': scaler.state_dict(), 'rng': rngs,
-                'zclip': zclipper.state_dict() if zclipper else None, 'config': config, 'commit': commit},
+                'zclip': vars(zclipper) if zclipper else None, 'config': config, 'commit': commit},
                os.path.join(tmp, 'train_state.pt'))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -502,29 +483,24 @@ def find_lr(steps=100, lo=1e-8, hi=1.0):
 
 
 def write_svg(path, xs, ys, mark, W=480, H=300):
-    lx = [math.log10(x) for x in xs]
-    ys = [min(y, 4 * min(ys)) for y in ys]
+    """The LR finder's curve: smoothed loss against log10(LR), the suggestion in red."""
+    lx, ys = [math.log10(x) for x in xs], [min(y, 4 * min(ys)) for y in ys]
     px = lambda v: 40 + (v - lx[0]) / (lx[-1] - lx[0]) * (W - 60)
     py = lambda v: H - 30 - (v - min(ys)) / (max(ys) - min(ys) + 1e-12) * (H - 60)
-    line = ' '.join(f'{px(a):.1f},{py(b):.1f}' for a, b in zip(lx, ys))
-    ticks = ''.join(f'<text x="{px(e):.0f}" y="{H - 10}" font-size="10">1e{e}</text>'
-                    for e in range(math.ceil(lx[0]), math.floor(lx[-1]) + 1, 2))
+    points = ' '.join(f'{px(a):.1f},{py(b):.1f}' for a, b in zip(lx, ys))
     with open(path, 'w') as f:
         f.write(f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}"><rect width="100%" height="100%" fill="white"/>'
-                f'<polyline fill="none" stroke="black" points="{line}"/>{ticks}'
-                f'<line x1="{px(math.log10(mark)):.1f}" x2="{px(math.log10(mark)):.1f}" y1="20" y2="{H - 30}" stroke="red"/>'
-                f'<text x="45" y="15" font-size="11">smoothed loss vs learning rate; red: suggested {mark:.1e}</text></svg>')
+                f'<polyline fill="none" stroke="black" points="{points}"/><line x1="{px(math.log10(mark)):.1f}" '
+                f'x2="{px(math.log10(mark)):.1f}" y1="20" y2="{H - 30}" stroke="red"/><text x="45" y="15" font-size="11">'
+                f'smoothed loss vs LR from {xs[0]:.0e} to {xs[-1]:.0e} (log scale); red: suggested {mark:.1e}</text></svg>')
 
 
 def auto_batch_size(try_batch, start):
     """The largest batch size <= start (halving) for which try_batch(b) runs without OOM."""
-    b = start
-    while b > 1:
+    for b in (start >> i for i in range(start.bit_length())):
         try:
-            try_batch(b)
-            return b
+            return try_batch(b) or b
         except torch.OutOfMemoryError:
-            b //= 2
             torch.cuda.empty_cache()
     return 1
 
@@ -544,6 +520,8 @@ elif auto_batch:
         dist.all_reduce(fits, op=dist.ReduceOp.MIN)
     batch_size = fits.item()
     gradient_accumulation_steps = max(1, tokens_wanted // batch_size)
+    if loader:
+        loader.B = batch_size
     print(f"auto_batch: batch_size={batch_size} x gradient_accumulation_steps={gradient_accumulation_steps}")
 if lr_find and state is None:  # every group's LR scales with the suggestion
     found = find_lr()
@@ -553,11 +531,8 @@ if lr_find and state is None:  # every group's LR scales with the suggestion
     learning_rate, min_lr = found, min_lr * found / learning_rate
 
 # the training loop
-try:
-    commit = subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-except OSError:
-    commit = ''
+commit = subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True, cwd=os.path.dirname(
+    os.path.abspath(__file__))).stdout.strip() if shutil.which('git') else ''
 wandb = None
 if wandb_log and master:
     try:
