@@ -260,15 +260,36 @@ def linear_cpp(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.T
 
 
 # ---------------------------------------------------------------- 4. CUDA kernel
-# Decode (up to 16 tokens) is a GEMV: one warp per weight row, each lane loading 16 bytes
-# (64 weights) at a time so that a warp reads 512 contiguous bytes per step, unpacking them in
-# registers and multiplying four at a time with dp4a. This part needs no torch headers, so it
-# compiles with plain nvcc (see the tests) on a machine without a GPU.
+# Decode (up to 16 tokens) is a GEMV, and at batch 1 a GEMV of 4 MB of packed weights takes
+# a few microseconds: launching a dozen small torch ops around it (absmax, scale, round,
+# cast, pad, rescale) would cost ten times more than the matmul. So the whole op is two
+# kernels. quantize_rows: one block per token finds absmax, then writes the int8 row, padded
+# with zeros to the packed K. ternary_gemv: one warp per weight row, each lane loading 16
+# bytes (64 weights) at a time so that a warp reads 512 contiguous bytes per step, unpacking
+# them in registers and multiplying four at a time with dp4a; it writes acc * (gamma / s)
+# with the same fp32 operations as _linear, so the result is bit-identical. This part needs
+# no torch headers, so it compiles with plain nvcc (see the tests) on a machine without a GPU.
 GEMV_CU = r"""
 #include <cstdint>
 
-__global__ void ternary_gemv(const int8_t* __restrict__ x, const uint8_t* __restrict__ w,
-                             int32_t* __restrict__ y, int M, int N, int Kp) {
+__global__ void quantize_rows(const float* __restrict__ x, int8_t* __restrict__ xq, float* __restrict__ s,
+                              int K, int Kp) {
+  __shared__ float part[32];
+  const float* xr = x + (size_t)blockIdx.x * K;
+  float a = 0.f;
+  for (int k = threadIdx.x; k < K; k += blockDim.x) a = fmaxf(a, fabsf(xr[k]));
+  for (int o = 16; o > 0; o /= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = a;
+  __syncthreads();
+  for (int i = 0; i < blockDim.x / 32; i++) a = fmaxf(a, part[i]);
+  const float sc = (1.f / fmaxf(a, 1e-5f)) * 127.f;  // as torch computes 127 / t: a reciprocal, then a multiply
+  if (threadIdx.x == 0) s[blockIdx.x] = sc;
+  for (int k = threadIdx.x; k < Kp; k += blockDim.x)  // round half to even, as torch.round
+    xq[(size_t)blockIdx.x * Kp + k] = k < K ? (int8_t)fminf(fmaxf(rintf(xr[k] * sc), -128.f), 127.f) : 0;
+}
+
+__global__ void ternary_gemv(const int8_t* __restrict__ x, const uint8_t* __restrict__ w, const float* __restrict__ s,
+                             const float* __restrict__ gamma, float* __restrict__ y, int M, int N, int Kp) {
   const int n = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   const int m0 = blockIdx.y * 4;  // up to 4 tokens per warp share each unpacked weight
   if (n >= N) return;
@@ -288,7 +309,7 @@ __global__ void ternary_gemv(const int8_t* __restrict__ x, const uint8_t* __rest
   }
   for (int m = 0; m < 4 && m0 + m < M; m++) {
     for (int o = 16; o > 0; o /= 2) acc[m] += __shfl_down_sync(0xffffffffu, acc[m], o);
-    if (lane == 0) y[(m0 + m) * N + n] = acc[m];
+    if (lane == 0) y[(m0 + m) * N + n] = (float)acc[m] * (gamma[0] / s[m0 + m]);
   }
 }
 """
@@ -296,16 +317,20 @@ LAUNCH_CU = r"""
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
 
-torch::Tensor gemv(torch::Tensor x, torch::Tensor w) {
-  const int M = x.size(0), N = w.size(0), Kp = 4 * w.size(1);
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma) {
+  x = x.to(torch::kFloat).contiguous();
+  gamma = gamma.to(torch::kFloat).contiguous();
+  const int M = x.size(0), K = x.size(1), N = w.size(0), Kp = 4 * w.size(1);
   TORCH_CHECK(w.is_contiguous() && reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
               "packed weights must be contiguous and 16-byte aligned; pass a whole tensor");
-  auto xp = torch::zeros({M, Kp}, x.options());
-  xp.narrow(1, 0, x.size(1)).copy_(x);
-  auto y = torch::empty({M, N}, x.options().dtype(torch::kInt));
+  auto xq = torch::empty({M, Kp}, x.options().dtype(torch::kChar));
+  auto s = torch::empty({M}, x.options());
+  auto y = torch::empty({M, N}, x.options());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  quantize_rows<<<M, 256, 0, stream>>>(x.data_ptr<float>(), xq.data_ptr<int8_t>(), s.data_ptr<float>(), K, Kp);
   const dim3 grid((N + 3) / 4, (M + 3) / 4);  // 4 warps (weight rows) per block of 128 threads
-  ternary_gemv<<<grid, 128, 0, at::cuda::getCurrentCUDAStream()>>>(
-      xp.data_ptr<int8_t>(), w.data_ptr<uint8_t>(), y.data_ptr<int32_t>(), M, N, Kp);
+  ternary_gemv<<<grid, 128, 0, stream>>>(xq.data_ptr<int8_t>(), w.data_ptr<uint8_t>(), s.data_ptr<float>(),
+                                         gamma.data_ptr<float>(), y.data_ptr<float>(), M, N, Kp);
   return y;
 }
 """
@@ -314,21 +339,21 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w) {
 @functools.cache
 def _cuda():
     from torch.utils.cpp_extension import load_inline
-    return load_inline('nanobitnet_cuda', 'torch::Tensor gemv(torch::Tensor x, torch::Tensor w);',
-                       cuda_sources=GEMV_CU + LAUNCH_CU, functions=['gemv'], extra_cuda_cflags=['-O3'])
+    return load_inline('nanobitnet_cuda', 'torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma);',
+                       cuda_sources=GEMV_CU + LAUNCH_CU, functions=['linear'], extra_cuda_cflags=['-O3'])
 
 
-def _mm_cuda(x_q, w):
-    M, K = x_q.shape
-    if M > 16 and K % 8 == 0 and w.shape[0] % 8 == 0:
-        # prefill is compute-bound: unpack once to int8 and let cuBLAS use the int8 tensor cores
-        return torch._int_mm(x_q, unpack(w, K).T)
-    return _cuda().gemv(x_q, w.contiguous())
+def _int_mm(x_q, w):
+    # prefill is compute-bound: unpack once to int8 and let cuBLAS use the int8 tensor cores
+    return torch._int_mm(x_q, unpack(w, x_q.shape[1]).T)
 
 
 @torch.library.custom_op('nanobitnet::linear_cuda', mutates_args=(), device_types='cuda')
 def linear_cuda(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
-    return _linear(_mm_cuda, x, w, gamma)
+    (M, K), N = x.shape, w.shape[0]
+    if M > 16 and K % 8 == 0 and N % 8 == 0:
+        return _linear(_int_mm, x, w, gamma)
+    return _cuda().linear(x, w.contiguous(), gamma)
 
 
 IMPLS = {'reference': linear_reference, 'compile': linear_compile, 'cpp': linear_cpp, 'cuda': linear_cuda}

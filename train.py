@@ -592,6 +592,7 @@ while step < max_steps:
             rec['zclip'] = zclipped
         if device_type == 'cuda':
             rec['mfu'] = raw_model.flops_per_token(block_size) * tok_per_s / (world_size * peak_flops)
+            rec['peak_mem_gib'] = torch.cuda.max_memory_allocated() / 2**30
         if is_eval:
             rec['val_loss'] = evaluate()
             improved = rec['val_loss'] < best_val - min_delta

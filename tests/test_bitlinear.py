@@ -1,4 +1,6 @@
 """BitLinear's quantizers, STE and warmup, each checked against hand-computed values."""
+import weakref
+
 import pytest
 import torch
 import torch.nn as nn
@@ -166,3 +168,36 @@ def test_fast_path_saves_at_least_2x_less_for_backward():
     ref, _ = saved_bytes(lambda: run(lambda m, h: m.reference(h)))
     print(f"saved for backward: fast {fast:,} bytes, fake-quant reference {ref:,} bytes ({ref / fast:.2f}x)")
     assert ref >= 2 * fast
+
+
+def live_saved_bytes(fn):
+    """Like saved_bytes, but only what autograd still holds once fn has returned: the hook keeps a weak
+    reference to a detached alias, so what the graph drops (the quantizers' own graphs, cut off by
+    .detach()) is not counted, and the hook makes no reference cycle that would keep it alive."""
+    saved = []
+
+    def pack(t):
+        t = t.detach()
+        saved.append(weakref.ref(t))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    live = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for r in saved if (t := r()) is not None}
+    return sum(live.values()), out
+
+
+def test_backward_keeps_int8_activations_and_weights_vs_fp32_copies():
+    torch.manual_seed(0)
+    layers = [BitLinear(256, 256) for _ in range(4)]
+    x = torch.randn(8, 128, 256, requires_grad=True)
+
+    def run(forward):
+        h = x
+        for layer in layers:
+            h = forward(layer, h)
+        return h
+    fast, _ = live_saved_bytes(lambda: run(lambda m, h: m(h)))
+    ref, _ = live_saved_bytes(lambda: run(lambda m, h: m.reference(h)))
+    M = 8 * 128
+    assert fast == 4 * (M * 256 + 4 * M + 256 * 256 + 4)  # per layer: int8 x_q, fp32 s per token, int8 W_q, gamma
+    assert ref == 4 * 4 * (M * 256 + 256 * 256)  # per layer: the fp32 fake-quant input and weight of F.linear

@@ -1,0 +1,236 @@
+"""
+The benchmarks behind every speed claim in the README, as ratios measured side by side in
+one run, on the machine named in the output:
+
+    python bench.py kernels   # the packed ternary matmul against its peers, and decode tokens/s
+    python bench.py train     # a training step: ours, the fake-quant reference, fp32, transformers
+    python bench.py curve     # 200 training steps, the int8 path vs the fake-quant reference (minutes)
+
+Weights are cycled over enough distinct matrices to overflow the last-level cache, as in real
+decoding, where each layer's weights come from memory once per token; "hot" repeats a single
+matrix that stays in cache. Timings are the best of several rounds (shared machines are noisy).
+"""
+import glob
+import os
+import platform
+import sys
+import tempfile
+import time
+import warnings
+import weakref
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernels
+from bitlinear import BitLinear
+from data import get_batch, get_tokenizer, offline_corpus
+from model import ModelConfig, Transformer
+
+try:  # a test-only extra: without it the train section leaves out the transformers rows
+    import transformers
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+except ImportError:
+    transformers = None
+
+device = 'cuda' if torch.cuda.is_available() else 'cpu'
+
+
+def machine():
+    if device == 'cuda':
+        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    name = platform.processor() or platform.machine()
+    if os.path.exists('/proc/cpuinfo'):
+        name = next((l.split(':', 1)[1].strip() for l in open('/proc/cpuinfo') if l.startswith('model name')), name)
+    return (f"{name}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, "
+            f"{torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}")
+
+
+def cache_bytes():
+    """Size of the last-level cache, which cycled weights must overflow (L2 on a GPU, L3 on a CPU)."""
+    if device == 'cuda':
+        return torch.cuda.get_device_properties(0).L2_cache_size
+    sizes = [open(f).read().strip() for f in glob.glob('/sys/devices/system/cpu/cpu0/cache/index*/size')]
+    return max((int(s[:-1]) << {'K': 10, 'M': 20}[s[-1]] for s in sizes if s[-1] in 'KM'), default=64 << 20)
+
+
+def timeit(fn, args, reps=5, calls=24):
+    """Best over `reps` rounds of the mean ms per call of fn(*a), `a` cycling through args."""
+    args = [args[i % len(args)] for i in range(max(calls, 2 * len(args)))]
+    fn(*args[0])  # warm-up: first-use builds and allocations are not timed
+    best = float('inf')
+    for _ in range(reps):
+        torch.cuda.synchronize() if device == 'cuda' else None
+        t0 = time.perf_counter()
+        for a in args:
+            fn(*a)
+        torch.cuda.synchronize() if device == 'cuda' else None
+        best = min(best, (time.perf_counter() - t0) / len(args))
+    return best * 1e3
+
+
+def copies(nbytes):
+    return max(1, -(-2 * cache_bytes() // nbytes))  # enough distinct matrices for twice the cache
+
+
+def weight_mib(model):
+    ts = dict(model.named_parameters()) | {n: b for n, b in model.named_buffers() if n.endswith(('weight', 'scale'))}
+    return sum(t.nbytes for t in ts.values()) / 2**20
+
+
+@torch.no_grad()
+def bench_matmul():
+    peer = 'bf16' if device == 'cuda' else 'int8dq'  # PyTorch's own fast path on each device
+    print("\nms per call, cycled (weights from memory) / hot (in cache); GB/s = packed bytes / cycled time")
+    print(f"{'in x out':>12} {'B':>3} {'fp32':>15} {peer:>15} {'ternary':>15} {'GB/s':>5} {'vs fp32':>8} {'vs ' + peer:>9}")
+    for K, N in ((2048, 2048), (4096, 4096), (4096, 14336)):
+        W = [(torch.randn(N, K, device=device) * 0.02,) for _ in range(copies(4 * N * K))]
+        if device == 'cuda':
+            Wp, run_peer = [(w.bfloat16(),) for w, in W], lambda x, w: F.linear(x.bfloat16(), w)
+        else:
+            with warnings.catch_warnings():  # torch.ao's dynamic quantization warns that it moves to torchao
+                warnings.simplefilter('ignore')
+                Wp = [(torch.ao.quantization.quantize_dynamic(nn.Linear(K, N, bias=False), dtype=torch.qint8),)
+                      for _ in range(copies(N * K))]
+            run_peer = lambda x, lin: lin(x)
+        packed = [(kernels.pack(torch.randint(-1, 2, (N, K), device=device)), torch.ones(1, device=device))
+                  for _ in range(copies(N * K // 4))]
+        for B in (1, 4, 16, 64):
+            x = torch.randn(B, K, device=device)
+            t = {name: (timeit(fn, args), timeit(fn, args[:1])) for name, fn, args in (
+                ('fp32', lambda w: F.linear(x, w), W), (peer, lambda w: run_peer(x, w), Wp),
+                ('ternary', lambda w, g: kernels.ternary_linear(x, w, g), packed))}
+            cyc = t['ternary'][0]
+            print(f"{f'{K} x {N}':>12} {B:3d} " + " ".join(f"{c:7.3f}/{h:7.3f}" for c, h in t.values()) +
+                  f" {N * K / 4 / cyc / 1e6:5.1f} {t['fp32'][0] / cyc:7.1f}x {t[peer][0] / cyc:8.1f}x")
+        del W, Wp, packed
+
+
+@torch.no_grad()
+def bench_decode(prompt=16, new=32):
+    # the shape of SmolLM2-360M: the same random model decoded in fp32, then frozen to 2 bits
+    cfg = ModelConfig(vocab_size=49152, n_layer=32, n_embd=960, n_head=15, n_kv_head=5, intermediate_size=2560,
+                      max_seq_len=256)
+    model = Transformer(cfg).to(device).eval()
+    idx = torch.randint(cfg.vocab_size, (1, prompt), device=device)
+    rows = []
+    for kind in ('fp32', 'packed ternary'):
+        if kind != 'fp32':
+            model.to_bitnet().freeze()
+        ms = timeit(lambda: model.generate(idx, new, temperature=0), [()], reps=3, calls=1) / new
+        rows.append((kind, weight_mib(model), 1e3 / ms))
+    print(f"\ndecode, {cfg.n_layer} layers x {cfg.n_embd} wide, vocab {cfg.vocab_size}, "
+          f"{prompt}-token prompt + {new} new, greedy, batch 1")
+    for kind, mib, tps in rows:
+        print(f"{kind:>15}: weights {mib:7.1f} MiB, {tps:6.1f} tokens/s, {tps / rows[0][2]:4.1f}x")
+
+
+def use_reference(model, on=True):
+    """Route every BitLinear through its fake-quant definition instead of the int8 Function."""
+    for m in model.modules():
+        if isinstance(m, BitLinear):
+            m.ternary = not on
+    return model
+
+
+def hf_peer(model):
+    """The same weights in transformers' BitNetForCausalLM (online quantization) or LlamaForCausalLM."""
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        return transformers.AutoModelForCausalLM.from_pretrained(d).to(device).train()
+
+
+def stepper(model):
+    """One fp32 training step of `model` on (x, y): forward, cross-entropy, backward, AdamW; its loss."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1.5e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def step(x, y):
+        out = model(x)
+        loss = F.cross_entropy(getattr(out, 'logits', out).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+    return step
+
+
+def saved_mib(model, x):
+    """MiB autograd holds for backward after a forward (each storage once, no parameters): all, in (Auto)BitLinears."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved, where, bits = [], ['model'], [m for m in model.modules() if type(m).__name__ in ('BitLinear', 'AutoBitLinear')]
+
+    def pack(t):  # a weak reference to a detached alias, so what the graph drops does not count
+        t = t.detach()
+        saved.append((weakref.ref(t), where[-1]))
+        return t
+    hooks = ([m.register_forward_pre_hook(lambda *_: where.append('bit')) for m in bits] +
+             [m.register_forward_hook(lambda *_: where.pop() and None) for m in bits])
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)  # kept: the graph, and so what it saved, lives as long as its output
+    live = {t.untyped_storage().data_ptr(): (t.untyped_storage().nbytes(), w) for r, w in saved if (t := r()) is not None}
+    for h in hooks:
+        h.remove()
+    return [sum(n for p, (n, w) in live.items() if p not in params and w in ws) / 2**20 for ws in ('model bit', 'bit')]
+
+
+def bench_train(reps=2):
+    sizes = {'default': (dict(vocab_size=320, max_seq_len=128), 16, 128),  # train.py's defaults
+             '~100M': (dict(vocab_size=32000, n_layer=12, n_embd=768, n_head=12, n_kv_head=12,
+                            intermediate_size=2048, max_seq_len=128), 4, 128)}
+    peers = ['HF BitNet', 'HF Llama'] if transformers else []
+    kinds = ['ours', 'reference', 'fp twin'] + peers
+    res, head = {}, []
+    for size, (cfg, B, T) in sizes.items():
+        x, y = torch.randint(cfg['vocab_size'], (2, B, T), generator=torch.Generator().manual_seed(0)).to(device)
+        for kind in kinds:  # every row starts from the same seeded init
+            torch.manual_seed(0)
+            model = Transformer(ModelConfig(**cfg, bitnet=kind in ('ours', 'reference', 'HF BitNet'))).to(device)
+            model = hf_peer(model) if kind in peers else use_reference(model, kind == 'reference')
+            torch.cuda.reset_peak_memory_stats() if device == 'cuda' else None
+            ms = timeit(stepper(model), [(x, y)], reps=reps, calls=2)
+            peak = [torch.cuda.max_memory_allocated() / 2**20] if device == 'cuda' else []
+            res[kind, size] = (ms, *saved_mib(model, x), *peak)
+        head.append(f"{size}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M, {B} x {T}")
+    cols = f"{'ms':>10}{'saved MiB':>10}{'in BitLin':>10}" + (f"{'peak MiB':>10}" if device == 'cuda' else '')
+    print(f"\ntraining step (forward, backward, AdamW; fp32), best of {reps} means of 2 steps. ours: the int8 autograd\n"
+          "Function; reference: fake-quant BitLinear.reference; HF BitNet: AutoBitLinear online. saved: activation\n"
+          "memory, what autograd holds for backward (parameters left out); in BitLin: the part saved in (Auto)BitLinears\n"
+          + " " * 22 + "".join(f"{h:>{len(cols)}}" for h in head) + "\n" + " " * 22 + cols * len(sizes))
+    for kind in kinds:
+        print(f"{kind:>22}" + "".join(f"{v:10.1f}" for s in sizes for v in res[kind, s]))
+    for a, b in [('ours', 'fp twin'), ('reference', 'ours')] + list(zip(peers, ('ours', 'fp twin'))):
+        print(f"{a + ' / ' + b:>22}" + "".join(f"{u / v:9.2f}x" if u and v else " " * 10
+                                               for s in sizes for u, v in zip(res[a, s], res[b, s])))
+
+
+def bench_curve(steps=200):
+    """The int8 path and the fake-quant definition differ by fp32 rounding, which can flip an int8 code (quantizers
+    are step functions) and make runs drift apart; a run whose weights moved by one ulp shows how far that goes."""
+    data, curves = offline_corpus(get_tokenizer('bytes'))[0], []
+    for ref, nudge in ((False, False), (True, False), (False, True)):
+        torch.manual_seed(1337)
+        model = use_reference(Transformer(ModelConfig(vocab_size=320, max_seq_len=128, bitnet=True)).to(device), ref)
+        for p in model.parameters() if nudge else ():
+            p.data = torch.nextafter(p.data, torch.full_like(p.data, float('inf')))
+        step, rng = stepper(model), torch.Generator().manual_seed(1337)  # the same batches for every run
+        curves.append([step(*(t.to(device) for t in get_batch(data, 16, 128, rng))) for _ in range(steps)])
+    fast = curves[0]
+    print(f"\n{steps} AdamW steps (lr 1.5e-3) of the default ternary model, batch 16 x 128 of the offline corpus, "
+          f"loss {fast[0]:.4f} -> {fast[-1]:.4f}; max |loss difference| per step:")
+    for name, other in (('fake-quant reference', curves[1]), ('itself, initial weights + 1 ulp', curves[2])):
+        d = [abs(a - b) for a, b in zip(fast, other)]
+        print(f"int8 path vs {name:>31}: {max(d):.2e} (step {d.index(max(d))}); at step 0 {d[0]:.2e}")
+
+
+if __name__ == '__main__':
+    sections = {'kernels': (bench_matmul, bench_decode), 'train': (bench_train,), 'curve': (bench_curve,)}
+    which = sys.argv[1:] or list(sections)
+    if any(s not in sections for s in which):
+        sys.exit(f"error: unknown section in {which}; choose from {list(sections)}")
+    print(f"machine: {machine()}; last-level cache {cache_bytes() >> 20} MiB; ternary path "
+          f"{kernels.best(device)!r}")
+    for s in which:
+        for fn in sections[s]:
+            fn()
