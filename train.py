@@ -132,13 +132,11 @@ if ptdtype is None:
     sys.exit(f"error: dtype={dtype!r} is not one of float32, bfloat16, float16")
 ctx = nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type, dtype=ptdtype)
 torch.manual_seed(seed + rank)
-if master:
-    os.makedirs(out_dir, exist_ok=True)
+os.makedirs(out_dir, exist_ok=True)
 
-# data: the offline corpus, or token shards that data.py downloads and prepares once (local
-# rank 0 works, the others wait). Either way a resumed run sees exactly the batches it would
-# have seen: the corpus's batches are a function of (seed, step, sequence index), and the
-# shard loader's position travels in the checkpoint.
+# data: the offline corpus, or token shards that data.py downloads and prepares once (local rank 0 works, the
+# others wait). A resumed run sees exactly the batches it would have seen: the corpus's batches are a function
+# of (seed, step, sequence index), and the shard loader's position travels in the checkpoint.
 try:
     enc = get_tokenizer(tokenizer)
     if (mixture and not dataset) or (remix_interval and not mixture):
@@ -181,8 +179,7 @@ def val_batches(n):
 
 
 def checkpoints(folder):
-    """Complete checkpoints in a run's folder, oldest first. An interrupted save never gets a
-    ckpt_ name: it is written under .tmp_ and renamed only once complete."""
+    """Complete checkpoints in a run's folder, oldest first (a save in progress is named .tmp_ckpt_)."""
     names = os.listdir(folder) if os.path.isdir(folder) else []
     return sorted(os.path.join(folder, n) for n in names if n.startswith('ckpt_'))
 
@@ -228,8 +225,7 @@ model.to(device)
 model.grad_ckpt = grad_ckpt
 raw_model = model
 if master:
-    kind = 'ternary' if raw_model.config.bitnet else 'fp'
-    print(f"{kind} model: {raw_model.num_params() / 1e6:.2f}M parameters, init_from={init_from}")
+    print(f"{'ternary' if raw_model.config.bitnet else 'fp'} model: {raw_model.num_params() / 1e6:.2f}M parameters, init_from={init_from}")
 
 # objectives and the teacher they distil from
 teacher_net = RemoteTeacher(teacher, teacher_model, top_k=teacher_top_k) if teacher.startswith(('http://', 'https://')) \
@@ -251,8 +247,7 @@ except (TypeError, ValueError) as e:
 
 
 def param_groups(model):
-    """Four groups with their own LRs: the hidden matrices (every 2-D weight inside the
-    blocks), the embedding, an untied head, and the scalars (norm gains, biases: no decay)."""
+    """Groups with their own LRs: hidden matrices (2-D, in the blocks), embedding, untied head, scalars (no decay)."""
     groups = {'hidden': [], 'embed': [], 'head': [], 'scalar': []}
     for name, p in model.named_parameters():
         kind = 'scalar' if p.dim() < 2 else name.split('.')[0].replace('embed_tokens', 'embed').replace('lm_head', 'head')
@@ -263,9 +258,8 @@ def param_groups(model):
 
 
 def make_optimizers(model):
-    """AdamW, or Muon (Jordan et al. 2024) on the hidden matrices: it orthogonalises each
-    update with a Newton-Schulz iteration, and adjust_lr_fn='match_rms_adamw' scales it so
-    that it takes an AdamW-sized LR. Embedding, head and scalars stay on AdamW."""
+    """AdamW, or Muon (Jordan et al. 2024) on the hidden matrices: it orthogonalises each update (Newton-Schulz),
+    scaled by match_rms_adamw to take an AdamW-sized LR. Embedding, head and scalars stay on AdamW."""
     groups = param_groups(model)
     made = [(torch.optim.AdamW, [g for g in groups if optimizer == 'adamw' or g['name'] != 'hidden'],
              dict(lr=learning_rate, betas=(beta1, beta2)))]
@@ -285,12 +279,10 @@ scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)
 
 def lr_factor(step):
     """The LR of `step` as a fraction of each group's base LR: linear warmup, then the schedule."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
+    if step < warmup_steps or schedule == 'constant':
+        return min(1.0, (step + 1) / max(1, warmup_steps))
     floor = min_lr / learning_rate
     ratio = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-    if schedule == 'constant':
-        return 1.0
     if schedule == 'linear':
         return 1.0 - (1.0 - floor) * ratio
     if schedule == 'wsd':  # warmup-stable-decay: flat, then a linear cool-down over the last decay_frac
@@ -312,10 +304,9 @@ def set_lr(step, factor=None):
 
 
 class ZClip:
-    """Adaptive gradient clipping (Kumar et al. 2025): track the mean and variance of the
-    grad norm with EMAs; a norm whose z-score exceeds z_thresh is a spike, and is clipped to
-    mu + z_thresh^2 / z * sigma (the further out, the harder). The first `warmup` steps only
-    buffer norms (under the fixed grad_clip) to seed the statistics."""
+    """Adaptive gradient clipping (Kumar et al. 2025): EMAs of the grad norm's mean and variance; a norm
+    whose z-score exceeds z_thresh is a spike, clipped to mu + z_thresh^2 / z * sigma (the further out, the
+    harder). The first `warmup` steps only buffer norms (under the fixed grad_clip) to seed the statistics."""
 
     def __init__(self, z_thresh=2.5, alpha=0.97, warmup=25):
         self.z_thresh, self.alpha, self.warmup, self.norms, self.mu, self.var = z_thresh, alpha, warmup, [], 0.0, 0.0
@@ -381,8 +372,7 @@ def micro_steps(step, b):
 
 
 def clip_gradients():
-    """Unscale (fp16), then clip: fixed max norm, or ZClip. Returns the norm before clipping,
-    and the norm it was clipped to when ZClip found a spike."""
+    """Unscale (fp16), clip (fixed or ZClip); returns the norm, and what ZClip clipped a spike to."""
     for opt in optimizers:
         scaler.unscale_(opt)
     params = [p for p in model.parameters() if p.grad is not None]
@@ -407,8 +397,7 @@ def evaluate():
 
 
 def remix():
-    """Influence-based remixing: score each mixture source by the cosine between the gradient
-    of its batch and that of val batches, and move the sampling weights toward the helpful."""
+    """Influence-based remixing: reweigh the sources by the cosine of their gradients with val's."""
     def loss(m, b):
         with ctx:
             return ce_loss(m(b['x'].to(device)), b['y'].to(device))
@@ -427,8 +416,7 @@ def rng_states():
 
 
 def save_checkpoint(step, rngs, opt_states):
-    """Write the HF directory and the training state under a temporary name, then rename:
-    a crash mid-save leaves the earlier checkpoints as they were."""
+    """The HF directory and training state, written under a temporary name, then renamed: atomic."""
     final, tmp = os.path.join(out_dir, f'ckpt_{step:07d}'), os.path.join(out_dir, f'.tmp_ckpt_{step:07d}')
     shutil.rmtree(tmp, ignore_errors=True)
     raw_model.save_pretrained(tmp)
@@ -455,7 +443,7 @@ def optimizer_states():
 def find_lr(steps=100, lo=1e-8, hi=1.0):
     """LR range test (Smith 2017): raise the LR exponentially from lo to hi, one step each,
     until the smoothed loss exceeds 4x its minimum; suggest the LR where it fell fastest.
-    The model and optimizer are restored afterwards. Writes the curve to lr_find.svg."""
+    Model and optimizer are restored afterwards; the curve goes to lr_find.svg."""
     saved = ({k: v.clone() for k, v in raw_model.state_dict().items()}, [o.state_dict() for o in optimizers])
     lrs, losses, avg = [], [], 0.0
     for i in range(steps):
@@ -533,18 +521,16 @@ if lr_find and state is None:  # every group's LR scales with the suggestion
 # the training loop
 commit = subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True, cwd=os.path.dirname(
     os.path.abspath(__file__))).stdout.strip() if shutil.which('git') else ''
-wandb = None
-if wandb_log and master:
-    try:
-        import wandb
-    except ImportError:
-        sys.exit("error: wandb_log=True needs the wandb package: pip install wandb (or set --wandb_log=False)")
+try:
+    wandb = __import__('wandb') if wandb_log and master else None
+except ImportError:
+    sys.exit("error: wandb_log=True needs the wandb package: pip install wandb (or set --wandb_log=False)")
+if wandb:
     wandb.init(project=wandb_project, config=config)
 tokens_per_step = gradient_accumulation_steps * world_size * batch_size * block_size
 log_path = os.path.join(out_dir, 'log.jsonl')
 if master and state is not None and os.path.exists(log_path):  # forget what was logged after the checkpoint
-    with open(log_path) as f:
-        kept = [line for line in f if json.loads(line)['step'] <= step]
+    kept = [line for line in open(log_path) if json.loads(line)['step'] <= step]
     with open(log_path, 'w') as f:
         f.writelines(kept)
 log = open(log_path, 'a') if master else None
@@ -561,14 +547,11 @@ while step < max_steps:
     train_loss, metrics = micro_steps(step, b)
     grad_norm, zclipped = clip_gradients()
     skipped = not math.isfinite(grad_norm.item())
-    if skipped:  # a NaN/Inf loss or gradient: skip the update, and give up after a run of them
-        nan_run += 1
-        if nan_run >= nan_patience:
-            sys.exit(f"error: {nan_run} non-finite steps in a row at step {step}; lower the learning rate or check the data")
-    else:
-        nan_run = 0
-        for opt in optimizers:
-            scaler.step(opt)
+    nan_run = nan_run + 1 if skipped else 0  # a NaN/Inf loss or gradient: skip the update; give up after a run
+    if nan_run >= nan_patience:
+        sys.exit(f"error: {nan_run} non-finite steps in a row at step {step}; lower the learning rate or check the data")
+    for opt in optimizers if not skipped else []:
+        scaler.step(opt)
     scaler.update()
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
@@ -586,10 +569,7 @@ while step < max_steps:
         rec = {'step': step, 'loss': all_mean(train_loss).item(), 'grad_norm': grad_norm.item(), **lrs,
                'tokens': tokens_seen, 'tok_per_s': round(tok_per_s), 'time_s': round(now - t_start, 2)}
         rec.update({k: all_mean(v).item() if torch.is_tensor(v) else v for k, v in metrics.items()}, **mix)
-        if skipped:
-            rec['skipped'] = nan_run
-        if zclipped:
-            rec['zclip'] = zclipped
+        rec.update({k: v for k, v in (('skipped', nan_run), ('zclip', zclipped)) if v})  # non-finite run, ZClip's clip
         if device_type == 'cuda':
             rec['mfu'] = raw_model.flops_per_token(block_size) * tok_per_s / (world_size * peak_flops)
             rec['peak_mem_gib'] = torch.cuda.max_memory_allocated() / 2**30
@@ -608,8 +588,7 @@ while step < max_steps:
             if wandb:
                 wandb.log(rec, step=step)
             eta = (now - t_start) / (step - start_step) * (max_steps - step)
-            val = f" | val {rec['val_loss']:.4f}" if is_eval else ''
-            print(f"step {step}/{max_steps} | loss {rec['loss']:.4f}{val} | lr {lrs['lr_hidden']:.2e} | "
+            print(f"step {step}/{max_steps} | loss {rec['loss']:.4f}" + (f" | val {rec['val_loss']:.4f}" if is_eval else '') + f" | lr {lrs['lr_hidden']:.2e} | "
                   f"{tok_per_s / 1e3:.1f}k tok/s | eta {eta:.0f}s" + (' | skipped (non-finite)' if skipped else ''))
         t_last, step_last = time.time(), step
     if improved or last or stop or (ckpt_interval and step % ckpt_interval == 0):
@@ -629,3 +608,5 @@ if master and sample_tokens:
     print('-' * 40 + '\n' + enc.decode(out[0].tolist()) + '\n' + '-' * 40)
 if ddp:
     dist.destroy_process_group()
+    # gloo's threads free the last collectives' tensors under the GIL; exiting before they do aborts (SIGABRT)
+    time.sleep(0.2)

@@ -102,7 +102,7 @@ def test_smollm_command_end_to_end_against_a_local_hub(hub, tmp_path):
            '--max_steps=10', f'--out_dir={out}', f'--dataset={shards}', '--batch_size=2', '--block_size=64',
            '--eval_interval=5', '--eval_iters=2', '--log_interval=1', '--sample_tokens=20']
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     recs = [json.loads(line) for line in open(out / 'log.jsonl')]
     assert [rec['step'] for rec in recs] == list(range(1, 11))
     assert recs[0]['w_kd'] == 0 and recs[-1]['w_kd'] == 1 and recs[-1]['w_attn'] == 10  # CE first, then distillation
