@@ -1,6 +1,5 @@
 """
-The benchmarks behind every speed claim in the README, as ratios measured side by side in
-one run, on the machine named in the output:
+The benchmarks behind every speed claim in the README, as ratios measured side by side in one run:
 
     python bench.py kernels   # the packed ternary matmul against its peers, and decode tokens/s
     python bench.py train     # a training step: ours, the fake-quant reference, fp32, transformers
@@ -92,7 +91,8 @@ def bench_matmul():
         else:
             with warnings.catch_warnings():  # torch.ao's dynamic quantization warns that it moves to torchao
                 warnings.simplefilter('ignore')
-                Wp = [(torch.ao.quantization.quantize_dynamic(nn.Linear(K, N, bias=False), dtype=torch.qint8),)
+                # quantize_dynamic swaps a module's children, never the module itself: hence the Sequential
+                Wp = [(torch.ao.quantization.quantize_dynamic(nn.Sequential(nn.Linear(K, N, bias=False)), dtype=torch.qint8),)
                       for _ in range(copies(N * K))]
             run_peer = lambda x, lin: lin(x)
         packed = [(kernels.pack(torch.randint(-1, 2, (N, K), device=device)), torch.ones(1, device=device))
