@@ -128,60 +128,77 @@ def linear_compile(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> tor
 
 
 # ---------------------------------------------------------------- 3. C++ CPU kernel
-# The work is tiled in registers: MR tokens x NR weight rows, all of K. For decode (MR = 1) each
-# activation load is shared by NR = 4 weight rows, and the NR independent accumulators keep the
-# multiply unit busy while it waits on its previous result. For prefill, each unpacked weight
-# register is used MR = 4 times. Threads split the weight rows; each streams contiguous memory.
+# The work is tiled in registers. Prefill (4 tokens or more): tiles of MR = 4 tokens x NR = 4
+# weight rows, so each unpacked weight register is used 4 times and each activation load 4 times.
+# Decode (1-3 tokens) is a stream of weights from memory, and what makes it fast is reading that
+# stream in order: one weight row at a time (NR = 1), with U = 4 blocks in flight on their own
+# accumulators so that the multiply unit never waits on its previous result. (Four rows side by
+# side are four streams 1 KiB apart: measured, that halves the rate at which memory delivers.)
+# Threads split the weight rows; each streams contiguous memory.
 CPP = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
+#define AVX2 __attribute__((target("avx2")))
 
-template <int MR, int NR>  // x: MR rows of Kp int8, w: NR rows of Kp/4 bytes, acc: MR x NR
-__attribute__((target("avx512f,avx512bw,avx512vnni")))
-void tile_vnni(const int8_t* x, const uint8_t* w, int64_t Kp, int32_t* acc) {
-  __m512i a[MR][NR] = {}, three = _mm512_set1_epi8(3);
-  for (int64_t k = 0; k < Kp; k += 256) {
-    __m512i v[NR];
-    for (int n = 0; n < NR; n++) v[n] = _mm512_loadu_si512(w + n * Kp / 4 + k / 4);
-    for (int i = 0; i < 4; i++) {  // bit pair i holds columns k + 64i .. k + 64i + 63
-      __m512i c[NR];
-      for (int n = 0; n < NR; n++) c[n] = _mm512_and_si512(_mm512_srli_epi16(v[n], 2 * i), three);
-      for (int m = 0; m < MR; m++) {
-        __m512i xv = _mm512_loadu_si512(x + m * Kp + k + 64 * i);
-        // 64 codes (unsigned) times 64 activations (signed), each 4 products summed into an int32
-        for (int n = 0; n < NR; n++) a[m][n] = _mm512_dpbusd_epi32(a[m][n], c[n], xv);
-      }
+template <int MR, int NR>  // one 256-column block: x is MR rows of Kp int8, w is NR rows of Kp/4 bytes
+VNNI inline void block_vnni(const int8_t* x, const uint8_t* w, int64_t Kp, int64_t k, __m512i (&a)[MR][NR]) {
+  __m512i v[NR];
+  for (int n = 0; n < NR; n++) v[n] = _mm512_loadu_si512(w + n * Kp / 4 + k / 4);
+  for (int i = 0; i < 4; i++) {  // bit pair i holds columns k + 64i .. k + 64i + 63
+    __m512i c[NR];
+    for (int n = 0; n < NR; n++) c[n] = _mm512_and_si512(_mm512_srli_epi16(v[n], 2 * i), _mm512_set1_epi8(3));
+    for (int m = 0; m < MR; m++) {
+      __m512i xv = _mm512_loadu_si512(x + m * Kp + k + 64 * i);
+      // 64 codes (unsigned) times 64 activations (signed), each 4 products summed into an int32
+      for (int n = 0; n < NR; n++) a[m][n] = _mm512_dpbusd_epi32(a[m][n], c[n], xv);
     }
   }
-  for (int m = 0; m < MR; m++)
-    for (int n = 0; n < NR; n++) acc[m * NR + n] = _mm512_reduce_add_epi32(a[m][n]);
 }
 
-template <int MR, int NR>  // the same tile without VNNI: two 32-byte halves per 64-byte block
-__attribute__((target("avx2")))
-void tile_avx2(const int8_t* x, const uint8_t* w, int64_t Kp, int32_t* acc) {
-  __m256i a[MR][NR] = {}, three = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
-  for (int64_t k = 0; k < Kp; k += 256)
-    for (int h = 0; h < 64; h += 32)
-      for (int i = 0; i < 4; i++) {
-        __m256i c[NR];
+template <int MR, int NR>  // the same block without VNNI: two 32-byte halves per 64-byte block
+AVX2 inline void block_avx2(const int8_t* x, const uint8_t* w, int64_t Kp, int64_t k, __m256i (&a)[MR][NR]) {
+  for (int h = 0; h < 64; h += 32)
+    for (int i = 0; i < 4; i++) {
+      __m256i c[NR];
+      for (int n = 0; n < NR; n++)
+        c[n] = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i*)(w + n * Kp / 4 + k / 4 + h)), 2 * i),
+                                _mm256_set1_epi8(3));
+      for (int m = 0; m < MR; m++) {
+        __m256i xv = _mm256_loadu_si256((const __m256i*)(x + m * Kp + k + 64 * i + h));
+        // u8 x s8 pairs summed to int16 (at most 2 * 2 * 128: no saturation), then pairs to int32
         for (int n = 0; n < NR; n++)
-          c[n] = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i*)(w + n * Kp / 4 + k / 4 + h)), 2 * i), three);
-        for (int m = 0; m < MR; m++) {
-          __m256i xv = _mm256_loadu_si256((const __m256i*)(x + m * Kp + k + 64 * i + h));
-          // u8 x s8 pairs summed to int16 (at most 2 * 2 * 128: no saturation), then pairs to int32
-          for (int n = 0; n < NR; n++)
-            a[m][n] = _mm256_add_epi32(a[m][n], _mm256_madd_epi16(_mm256_maddubs_epi16(c[n], xv), ones));
-        }
+          a[m][n] = _mm256_add_epi32(a[m][n], _mm256_madd_epi16(_mm256_maddubs_epi16(c[n], xv), _mm256_set1_epi16(1)));
       }
-  for (int m = 0; m < MR; m++)
-    for (int n = 0; n < NR; n++) {
-      __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a[m][n]), _mm256_extracti128_si256(a[m][n], 1));
-      s = _mm_hadd_epi32(s, s);
-      acc[m * NR + n] = _mm_cvtsi128_si32(_mm_hadd_epi32(s, s));
     }
 }
+
+VNNI inline int32_t hsum(__m512i a) { return _mm512_reduce_add_epi32(a); }
+AVX2 inline int32_t hsum(__m256i a) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  s = _mm_hadd_epi32(s, s);
+  return _mm_cvtsi128_si32(_mm_hadd_epi32(s, s));
+}
+
+// MR tokens x NR rows over all of K, into acc (MR x NR); a lone row keeps U = 4 blocks in flight
+#define TILE(name, isa, vec, block)                                                         \
+  template <int MR, int NR> isa void name(const int8_t* x, const uint8_t* w, int64_t Kp, int32_t* acc) { \
+    constexpr int U = NR == 1 ? 4 : 1;                                                        \
+    vec a[U][MR][NR] = {};                                                                    \
+    int64_t k = 0;                                                                            \
+    for (; k + 256 * U <= Kp; k += 256 * U)                                                   \
+      for (int u = 0; u < U; u++) block<MR, NR>(x, w, Kp, k + 256 * u, a[u]);                 \
+    for (; k < Kp; k += 256) block<MR, NR>(x, w, Kp, k, a[0]);                                \
+    for (int m = 0; m < MR; m++)                                                              \
+      for (int n = 0; n < NR; n++) {                                                          \
+        int32_t s = 0;                                                                        \
+        for (int u = 0; u < U; u++) s += hsum(a[u][m][n]);                                    \
+        acc[m * NR + n] = s;                                                                  \
+      }                                                                                       \
+  }
+TILE(tile_vnni, VNNI, __m512i, block_vnni)
+TILE(tile_avx2, AVX2, __m256i, block_avx2)
 
 using Tile = void (*)(const int8_t*, const uint8_t*, int64_t, int32_t*);
 #define TILES(f, NR) {f<1, NR>, f<2, NR>, f<3, NR>, f<4, NR>}
@@ -195,9 +212,9 @@ int64_t simd() {  // 2: AVX-512 VNNI, 1: AVX2, 0: neither (use another path)
 }
 
 // absmax per token, then x_q = round(x * s), exactly as kernels.quantize computes them (torch
-// evaluates 127 / t as (1 / t) * 127 and rounds half to even), so every path agrees bit for bit
-__attribute__((target("avx2")))
-float quantize(const float* x, int64_t K, int8_t* q, int32_t* sum) {
+// evaluates 127 / t as (1 / t) * 127 and rounds half to even, as cvtps does), so every path agrees
+// bit for bit; the saturating packs to int8 are the clamp to [-128, 127]
+AVX2 float quantize(const float* x, int64_t K, int8_t* q, int32_t* sum) {
   __m256 m = _mm256_setzero_ps();
   const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   int64_t k = 0;
@@ -207,8 +224,20 @@ float quantize(const float* x, int64_t K, int8_t* q, int32_t* sum) {
   for (float v : lanes) amax = std::max(amax, v);
   for (; k < K; k++) amax = std::max(amax, std::fabs(x[k]));
   const float s = (1.0f / std::max(amax, 1e-5f)) * 127.0f;
-  *sum = 0;
-  for (k = 0; k < K; k++) {
+  const __m256 vs = _mm256_set1_ps(s);
+  __m256i total = _mm256_setzero_si256();
+  for (k = 0; k + 32 <= K; k += 32) {
+    __m256i i[4];
+    for (int j = 0; j < 4; j++) {
+      i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k + 8 * j), vs));
+      total = _mm256_add_epi32(total, i[j]);
+    }
+    // packs work within 128-bit lanes, so the 32 bytes come out in the order of 4-byte groups 0 2 4 6 1 3 5 7
+    __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    _mm256_storeu_si256((__m256i*)(q + k), _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  }
+  *sum = hsum(total);
+  for (; k < K; k++) {
     q[k] = (int8_t)std::min(std::max(std::nearbyint(x[k] * s), -128.0f), 127.0f);
     *sum += q[k];
   }
@@ -229,10 +258,11 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma, int6
   const int8_t* X = xq.data_ptr<int8_t>();
   const uint8_t* W = w.data_ptr<uint8_t>();
   float* Y = y.data_ptr<float>();
-  // threads split the weight rows, at least 32 KiB of weights each
-  at::parallel_for(0, (N + 3) / 4, std::max<int64_t>(1, 32768 / Kp), [&](int64_t t0, int64_t t1) {
-    for (int64_t n = 4 * t0, nr; n < std::min(4 * t1, N); n += nr) {
-      nr = N - n >= 4 ? 4 : 1;
+  // threads split the weight rows, at least 32 KiB of weights each; decode reads them one row at a time
+  const int64_t R = M < 4 ? 1 : 4;
+  at::parallel_for(0, (N + R - 1) / R, std::max<int64_t>(1, 32768 / Kp / R), [&](int64_t t0, int64_t t1) {
+    for (int64_t n = R * t0, nr; n < std::min(R * t1, N); n += nr) {
+      nr = N - n >= R ? R : 1;
       for (int64_t m = 0; m < M; m += 4) {
         int mr = std::min<int64_t>(4, M - m);
         int32_t acc[16];
