@@ -112,25 +112,62 @@ def copies(seed, n_in, n_out, bias):
     return fast, ref
 
 
-@pytest.mark.parametrize('shape', [(3, 24, 16), (2, 40, 64, 48), (1, 1, 8, 5), (33, 72, 40)])
+def textbook(layer, x):
+    """Fake quantization as usually written: blend by lam, STE by detach, fp32 F.linear."""
+    w_q, gamma = weight_quant(layer.weight)
+    x_q, s = activation_quant(x)
+    w = layer.weight + layer.lam * (w_q * gamma - layer.weight).detach()
+    return F.linear(x + layer.lam * (x_q / s - x).detach(), w, layer.bias)
+
+
+@pytest.mark.parametrize('shape', [(3, 24, 16), (2, 40, 64, 48), (1, 1, 8, 5), (33, 72, 40), (2, 64, 96, 40)])
 @pytest.mark.parametrize('bias', [False, True])
 @pytest.mark.parametrize('lam', [0.5, 1.0])
-def test_fast_function_matches_the_fake_quant_reference(shape, bias, lam):
+def test_fast_function_is_bit_identical_to_the_reference(shape, bias, lam):
+    # (2, 64, 96, 40): 128 tokens, enough for torch._int_mm
     *lead, n_in, n_out = shape
     fast, ref = copies(sum(shape), n_in, n_out, bias)
     set_lambda(fast, lam)
     set_lambda(ref, lam)
     x = torch.randn(*lead, n_in) * 3
-    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    x1, x2, x3 = (x.clone().requires_grad_() for _ in range(3))
     g = torch.randn(*lead, n_out)
     y1, y2 = fast(x1), ref.reference(x2)
-    assert torch.allclose(y1, y2, rtol=1e-5, atol=1e-5)
+    assert torch.equal(y1, y2)
     (y1 * g).sum().backward()
     (y2 * g).sum().backward()
-    assert torch.allclose(x1.grad, x2.grad, rtol=1e-5, atol=1e-6)
-    assert torch.allclose(fast.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-5)
+    assert torch.equal(x1.grad, x2.grad) and torch.equal(fast.weight.grad, ref.weight.grad)
     if bias:
-        assert torch.allclose(fast.bias.grad, ref.bias.grad, rtol=1e-5, atol=1e-6)
+        assert torch.equal(fast.bias.grad, ref.bias.grad)
+    # and the textbook form gives the same values and gradients, up to fp32 rounding
+    ref.zero_grad()
+    y3 = textbook(ref, x3)
+    (y3 * g).sum().backward()
+    for a, b in ((y1, y3), (x1.grad, x3.grad), (fast.weight.grad, ref.weight.grad)):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+
+@pytest.mark.slow
+def test_training_curve_of_the_fast_path_equals_the_reference():
+    from data import get_batch, get_tokenizer, offline_corpus
+    data, curves = offline_corpus(get_tokenizer('bytes'))[0], []
+    for use_reference in (False, True):
+        torch.manual_seed(1337)
+        model = Transformer(ModelConfig(n_layer=2, bitnet=True))
+        for m in model.modules():
+            if isinstance(m, BitLinear) and use_reference:
+                m.forward = m.reference
+        opt = torch.optim.AdamW(model.parameters(), lr=1.5e-3)
+        rng, losses = torch.Generator().manual_seed(0), []
+        for _ in range(25):
+            x, y = get_batch(data, 8, 128, rng)
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        curves.append(losses)
+    assert curves[0] == curves[1] and curves[0][-1] < curves[0][0] - 1
 
 
 def test_int8_path_is_exact_integer_arithmetic():
