@@ -9,6 +9,7 @@ Weights are cycled over enough distinct matrices to overflow the last-level cach
 decoding, where each layer's weights come from memory once per token; "hot" repeats a single
 matrix that stays in cache. Timings are the best of several rounds (shared machines are noisy).
 """
+import copy
 import glob
 import os
 import platform
@@ -55,19 +56,22 @@ def cache_bytes():
     return max((int(s[:-1]) << {'K': 10, 'M': 20}[s[-1]] for s in sizes if s[-1] in 'KM'), default=64 << 20)
 
 
-def timeit(fn, args, reps=5, calls=24):
-    """Best over `reps` rounds of the mean ms per call of fn(*a), `a` cycling through args."""
-    args = [args[i % len(args)] for i in range(max(calls, 2 * len(args)))]
-    fn(*args[0])  # warm-up: first-use builds and allocations are not timed
-    best = float('inf')
-    for _ in range(reps):
-        torch.cuda.synchronize() if device == 'cuda' else None
-        t0 = time.perf_counter()
-        for a in args:
-            fn(*a)
-        torch.cuda.synchronize() if device == 'cuda' else None
-        best = min(best, (time.perf_counter() - t0) / len(args))
-    return best * 1e3
+def timeit(cases, reps=5, calls=24):
+    """{name: (fn, args)} -> {name: best over `reps` rounds of the mean ms per call of fn(*a), `a` cycling through
+    args}. The cases take turns in every round, so that a slow spell of a shared machine hits them all alike; a
+    first round of one call each warms them up (first-use builds and allocations are not timed)."""
+    cases = {k: (fn, [args[i % len(args)] for i in range(max(calls, min(2, calls) * len(args)))])
+             for k, (fn, args) in cases.items()}
+    best = dict.fromkeys(cases, float('inf'))
+    for r in range(reps + 1):
+        for k, (fn, args) in cases.items():
+            torch.cuda.synchronize() if device == 'cuda' else None
+            t0 = time.perf_counter()
+            for a in args if r else args[:1]:
+                fn(*a)
+            torch.cuda.synchronize() if device == 'cuda' else None
+            best[k] = min(best[k], (time.perf_counter() - t0) / len(args) * 1e3) if r else best[k]
+    return best
 
 
 def copies(nbytes):
@@ -99,13 +103,12 @@ def bench_matmul():
                   for _ in range(copies(N * K // 4))]
         for B in (1, 4, 16, 64):
             x = torch.randn(B, K, device=device)
-            t = {name: (timeit(fn, args), timeit(fn, args[:1])) for name, fn, args in (
-                ('fp32', lambda w: F.linear(x, w), W), (peer, lambda w: run_peer(x, w), Wp),
-                ('ternary', lambda w, g: kernels.ternary_linear(x, w, g), packed))}
-            cyc = t['ternary'][0]
-            print(f"{f'{K} x {N}':>12} {B:3d} " + " ".join(f"{c:7.3f}/{h:7.3f}" for c, h in t.values()) +
-                  f" {N * K / 4 / cyc / 1e6:5.1f} {t['fp32'][0] / cyc:7.1f}x {t[peer][0] / cyc:8.1f}x")
-        del W, Wp, packed
+            fns = {'fp32': (lambda w: F.linear(x, w), W), peer: (lambda w: run_peer(x, w), Wp),
+                   'ternary': (lambda w, g: kernels.ternary_linear(x, w, g), packed)}
+            t = timeit({(k, hot): (fn, args[:1] if hot else args) for k, (fn, args) in fns.items() for hot in (0, 1)})
+            cyc = t['ternary', 0]
+            print(f"{f'{K} x {N}':>12} {B:3d} " + " ".join(f"{t[k, 0]:7.3f}/{t[k, 1]:7.3f}" for k in fns) +
+                  f" {N * K / 4 / cyc / 1e6:5.1f} {t['fp32', 0] / cyc:7.1f}x {t[peer, 0] / cyc:8.1f}x")
 
 
 @torch.no_grad()
@@ -113,14 +116,11 @@ def bench_decode(prompt=16, new=32):
     # the shape of SmolLM2-360M: the same random model decoded in fp32, then frozen to 2 bits
     cfg = ModelConfig(vocab_size=49152, n_layer=32, n_embd=960, n_head=15, n_kv_head=5, intermediate_size=2560,
                       max_seq_len=256)
-    model = Transformer(cfg).to(device).eval()
+    fp = Transformer(cfg).to(device).eval()
+    packed = copy.deepcopy(fp).to_bitnet().freeze()
     idx = torch.randint(cfg.vocab_size, (1, prompt), device=device)
-    rows = []
-    for kind in ('fp32', 'packed ternary'):
-        if kind != 'fp32':
-            model.to_bitnet().freeze()
-        ms = timeit(lambda: model.generate(idx, new, temperature=0), [()], reps=3, calls=1) / new
-        rows.append((kind, weight_mib(model), 1e3 / ms))
+    t = timeit({m: (lambda m: m.generate(idx, new, temperature=0), [(m,)]) for m in (fp, packed)}, reps=3, calls=1)
+    rows = [(kind, weight_mib(m), 1e3 * new / t[m]) for kind, m in (('fp32', fp), ('packed ternary', packed))]
     print(f"\ndecode, {cfg.n_layer} layers x {cfg.n_embd} wide, vocab {cfg.vocab_size}, "
           f"{prompt}-token prompt + {new} new, greedy, batch 1")
     for kind, mib, tps in rows:
@@ -128,10 +128,9 @@ def bench_decode(prompt=16, new=32):
 
 
 def use_reference(model, on=True):
-    """Route every BitLinear through its fake-quant definition instead of the int8 Function."""
-    for m in model.modules():
-        if isinstance(m, BitLinear):
-            m.ternary = not on
+    """Route every BitLinear through its autograd definition `BitLinear.reference` instead of the int8 Function."""
+    for m in [m for m in model.modules() if isinstance(m, BitLinear) and on]:
+        m.forward = m.reference
     return model
 
 
@@ -143,8 +142,8 @@ def hf_peer(model):
 
 
 def stepper(model):
-    """One fp32 training step of `model` on (x, y): forward, cross-entropy, backward, AdamW; its loss."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1.5e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    """One fp32 training step of `model` on (x, y): forward, cross-entropy, backward, AdamW (fused); its loss."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1.5e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
 
     def step(x, y):
         out = model(x)
@@ -175,29 +174,34 @@ def saved_mib(model, x):
     return [sum(n for p, (n, w) in live.items() if p not in params and w in ws) / 2**20 for ws in ('model bit', 'bit')]
 
 
-def bench_train(reps=2):
+def bench_train(rounds=4):
     sizes = {'default': (dict(vocab_size=320, max_seq_len=128), 16, 128),  # train.py's defaults
              '~100M': (dict(vocab_size=32000, n_layer=12, n_embd=768, n_head=12, n_kv_head=12,
-                            intermediate_size=2048, max_seq_len=128), 4, 128)}
+                            intermediate_size=2048, max_seq_len=256), 8, 256)}
     peers = ['HF BitNet', 'HF Llama'] if transformers else []
     kinds = ['ours', 'reference', 'fp twin'] + peers
     res, head = {}, []
     for size, (cfg, B, T) in sizes.items():
         x, y = torch.randint(cfg['vocab_size'], (2, B, T), generator=torch.Generator().manual_seed(0)).to(device)
-        for kind in kinds:  # every row starts from the same seeded init
+        steps, mem, peak = {}, {}, {}
+        for kind in kinds:  # every model starts from the same seeded init
             torch.manual_seed(0)
             model = Transformer(ModelConfig(**cfg, bitnet=kind in ('ours', 'reference', 'HF BitNet'))).to(device)
             model = hf_peer(model) if kind in peers else use_reference(model, kind == 'reference')
+            steps[kind], mem[kind] = stepper(model), saved_mib(model, x)
+
+        def run(kind):
             torch.cuda.reset_peak_memory_stats() if device == 'cuda' else None
-            ms = timeit(stepper(model), [(x, y)], reps=reps, calls=2)
-            peak = [torch.cuda.max_memory_allocated() / 2**20] if device == 'cuda' else []
-            res[kind, size] = (ms, *saved_mib(model, x), *peak)
+            steps[kind](x, y)
+            peak[kind] = [torch.cuda.max_memory_allocated() / 2**20] if device == 'cuda' else []
+        ms = timeit({kind: (run, [(kind,)]) for kind in kinds}, reps=rounds, calls=1)
+        res.update({(kind, size): (ms[kind], *mem[kind], *peak[kind]) for kind in kinds})
         head.append(f"{size}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M, {B} x {T}")
     cols = f"{'ms':>10}{'saved MiB':>10}{'in BitLin':>10}" + (f"{'peak MiB':>10}" if device == 'cuda' else '')
-    print(f"\ntraining step (forward, backward, AdamW; fp32), best of {reps} means of 2 steps. ours: the int8 autograd\n"
-          "Function; reference: fake-quant BitLinear.reference; HF BitNet: AutoBitLinear online. saved: activation\n"
-          "memory, what autograd holds for backward (parameters left out); in BitLin: the part saved in (Auto)BitLinears\n"
-          + " " * 22 + "".join(f"{h:>{len(cols)}}" for h in head) + "\n" + " " * 22 + cols * len(sizes))
+    print(f"\ntraining step (forward, backward, fused AdamW; fp32), best of {rounds}, models in turns. ours: int8 Function,\n"
+          "reference: BitLinear.reference, HF BitNet: AutoBitLinear online. saved: MiB held for backward (parameters left\n"
+          f"out); in BitLin: the part saved in (Auto)BitLinears\n{' ' * 22}" + "".join(f"{h:>{len(cols)}}" for h in head)
+          + "\n" + " " * 22 + cols * len(sizes))
     for kind in kinds:
         print(f"{kind:>22}" + "".join(f"{v:10.1f}" for s in sizes for v in res[kind, s]))
     for a, b in [('ours', 'fp twin'), ('reference', 'ours')] + list(zip(peers, ('ours', 'fp twin'))):
@@ -206,8 +210,8 @@ def bench_train(reps=2):
 
 
 def bench_curve(steps=200):
-    """The int8 path and the fake-quant definition differ by fp32 rounding, which can flip an int8 code (quantizers
-    are step functions) and make runs drift apart; a run whose weights moved by one ulp shows how far that goes."""
+    """The int8 path against its definition (bit-identical, so the curves must match exactly), and against itself
+    from weights moved by one ulp: what a last-bit difference does once quantizers (step functions) flip a code."""
     data, curves = offline_corpus(get_tokenizer('bytes'))[0], []
     for ref, nudge in ((False, False), (True, False), (False, True)):
         torch.manual_seed(1337)
@@ -216,11 +220,10 @@ def bench_curve(steps=200):
             p.data = torch.nextafter(p.data, torch.full_like(p.data, float('inf')))
         step, rng = stepper(model), torch.Generator().manual_seed(1337)  # the same batches for every run
         curves.append([step(*(t.to(device) for t in get_batch(data, 16, 128, rng))) for _ in range(steps)])
-    fast = curves[0]
     print(f"\n{steps} AdamW steps (lr 1.5e-3) of the default ternary model, batch 16 x 128 of the offline corpus, "
-          f"loss {fast[0]:.4f} -> {fast[-1]:.4f}; max |loss difference| per step:")
-    for name, other in (('fake-quant reference', curves[1]), ('itself, initial weights + 1 ulp', curves[2])):
-        d = [abs(a - b) for a, b in zip(fast, other)]
+          f"loss {curves[0][0]:.4f} -> {curves[0][-1]:.4f}; max |loss difference| per step:")
+    for name, other in (('BitLinear.reference', curves[1]), ('itself, initial weights + 1 ulp', curves[2])):
+        d = [abs(a - b) for a, b in zip(curves[0], other)]
         print(f"int8 path vs {name:>31}: {max(d):.2e} (step {d.index(max(d))}); at step 0 {d[0]:.2e}")
 
 
@@ -229,8 +232,6 @@ if __name__ == '__main__':
     which = sys.argv[1:] or list(sections)
     if any(s not in sections for s in which):
         sys.exit(f"error: unknown section in {which}; choose from {list(sections)}")
-    print(f"machine: {machine()}; last-level cache {cache_bytes() >> 20} MiB; ternary path "
-          f"{kernels.best(device)!r}")
-    for s in which:
-        for fn in sections[s]:
-            fn()
+    print(f"machine: {machine()}; last-level cache {cache_bytes() >> 20} MiB; ternary path {kernels.best(device)!r}")
+    for fn in [fn for s in which for fn in sections[s]]:
+        fn()
