@@ -238,3 +238,23 @@ def test_backward_keeps_int8_activations_and_weights_vs_fp32_copies():
     M = 8 * 128
     assert fast == 4 * (M * 256 + 4 * M + 256 * 256 + 4)  # per layer: int8 x_q, fp32 s per token, int8 W_q, gamma
     assert ref == 4 * 4 * (M * 256 + 256 * 256)  # per layer: the fp32 fake-quant input and weight of F.linear
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('lam', [0.5, 1.0])
+def test_training_compiles_in_one_graph(lam):
+    # torch.compile traces the Function whole (its ops all have fake implementations) and fuses the quantizers
+    torch.manual_seed(0)
+    layer = BitLinear(64, 48, bias=True)
+    set_lambda(layer, lam)
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    y = torch.compile(layer, fullgraph=True, dynamic=False)(x)
+    y.square().sum().backward()
+    grads = [x.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone()]
+    x.grad = None
+    layer.zero_grad()
+    y_eager = layer(x)
+    y_eager.square().sum().backward()
+    assert torch.allclose(y, y_eager, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads, [x.grad, layer.weight.grad, layer.bias.grad]):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
