@@ -71,8 +71,8 @@ class BitLinear(nn.Linear):
         F.linear(x_q, W_q) * gamma / s, which is exact (fp32 sums integers below 2^24 exactly), as in the
         int8 kernel. F.linear(x_q / s, gamma * W_q) rounds differently in the last bit; the next layer's
         quantizer turns such a difference into another int8 code now and then, and 200 training steps
-        later the loss curves are 0.1 apart (bench.py curve). Defined this way, the fast path below is
-        not close to the definition but equal to it."""
+        later the loss curves were 0.1-0.2 apart (bench.py curve). Defined this way, the fast path below
+        is not close to the definition but equal to it."""
         w_q, gamma = weight_quant(self.weight.detach())
         x_q, s = activation_quant(x.detach())
         w = ste(self.weight, torch.lerp(self.weight.float(), w_q * gamma, self.lam))  # lerp is exact at lam = 1
