@@ -174,7 +174,7 @@ def saved_mib(model, x):
     return [sum(n for p, (n, w) in live.items() if p not in params and w in ws) / 2**20 for ws in ('model bit', 'bit')]
 
 
-def bench_train(rounds=4):
+def bench_train(rounds=6):
     sizes = {'default': (dict(vocab_size=320, max_seq_len=128), 16, 128),  # train.py's defaults
              '~100M': (dict(vocab_size=32000, n_layer=12, n_embd=768, n_head=12, n_kv_head=12,
                             intermediate_size=2048, max_seq_len=256), 8, 256)}
