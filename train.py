@@ -45,6 +45,7 @@ keep_last = 2          # complete checkpoints to keep, besides the best one
 patience = 0           # early stopping: stop after this many evals without improvement (0: never)
 min_delta = 0.0        # ... where an improvement means a val loss lower by more than this
 sample_tokens = 300    # printed at the end of training; 0 to skip
+eval_prompts = []      # at every eval, the greedy continuation of each is logged (log.jsonl 'samples')
 wandb_log = False
 wandb_project = 'nanobitnet'
 # data
@@ -72,6 +73,7 @@ rope_theta = 10000.0
 tie_embeddings = True
 bitnet = True          # ternary attention/MLP linears with SubLN; False gives the fp twin
 lambda_warmup = 0.0    # fraction of max_steps over which quantization ramps from fp (0) to ternary (1)
+subln_calib = 4        # converting a pretrained model: batches that calibrate the SubLN gains (0: gain 1)
 lrc_rank = 0           # low-rank correction adapters on every BitLinear (0: none)
 # objectives: name -> settings (see objectives.py), weighed by a curriculum of phases
 # [(end as a fraction of max_steps, {name: weight}), ...], switched or blended ('linear', 'cosine')
@@ -170,6 +172,15 @@ def batch(step, micro, data=None):
     return b
 
 
+def first_batches(n):
+    """The token ids of the first n micro-batches that training will see; the loader stays where it was."""
+    saved = loader.state_dict() if loader else None
+    xs = [batch(0, i)['x'] for i in range(n)]
+    if loader:
+        loader.load_state_dict(saved)
+    return xs
+
+
 def val_batches(n):
     """The same n val batches at every evaluation."""
     if not loader:
@@ -217,8 +228,8 @@ else:
         sys.exit(f"error: tokenizer {tokenizer!r} has {enc.n_vocab} tokens but the model only {model.config.vocab_size}; use the model's tokenizer")
     if model.config.max_seq_len < block_size:
         sys.exit(f"error: block_size={block_size} exceeds the model's max_seq_len={model.config.max_seq_len}")
-    if bitnet and not model.config.bitnet:
-        model.to_bitnet()
+    if bitnet and not model.config.bitnet:  # a pretrained fp model: calibrate SubLN on the first batches
+        model.to_bitnet(first_batches(subln_calib))
 if lrc_rank and not model.config.lrc_rank:
     model.add_lrc(lrc_rank)  # from the (converted) weights: the SVD of their quantization residual
 model.to(device)
@@ -394,6 +405,20 @@ def evaluate():
             losses[i] = ce_loss(model(b['x']), b['y'])
     model.train()
     return all_mean(losses.mean()).item()  # a CPU-GPU sync
+
+
+@torch.no_grad()
+def greedy_samples(n=48):
+    """Greedy continuations of eval_prompts, so that a run's samples can be read beside its losses."""
+    raw_model.eval()
+    outs = []
+    for p in eval_prompts:
+        x = torch.tensor([enc.encode_ordinary(p)], device=device)
+        with ctx:
+            y = raw_model.generate(x, min(n, raw_model.config.max_seq_len - x.size(1)), temperature=0, vocab=enc.n_vocab)
+        outs.append(enc.decode(y[0, x.size(1):].tolist()))
+    raw_model.train()
+    return outs
 
 
 def remix():
@@ -575,6 +600,8 @@ while step < max_steps:
             rec['peak_mem_gib'] = torch.cuda.max_memory_allocated() / 2**30
         if is_eval:
             rec['val_loss'] = evaluate()
+            if eval_prompts and master:
+                rec['samples'] = greedy_samples()
             improved = rec['val_loss'] < best_val - min_delta
             if improved:
                 best_val, best_step, bad_evals = rec['val_loss'], step, 0
