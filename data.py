@@ -360,6 +360,12 @@ def render_chat(enc, turns, template=None):
     return tokens, mask
 
 
+def chat_prompt(enc, text):
+    """A user's message and the assistant's header: what a chat model answers from."""
+    start, role_end, _, _ = chat_template(enc)
+    return render_chat(enc, [('user', text)])[0] + enc.encode(start + 'assistant' + role_end, allowed_special='all')
+
+
 def _start_worker(tokenizer, fmt, field):
     global _job
     enc = get_tokenizer(tokenizer)

@@ -16,14 +16,15 @@ import time
 import torch
 
 from configurator import configure
-from data import get_tokenizer
+from data import chat_prompt, chat_template, get_tokenizer
 from model import Transformer
 
 ckpt = 'out'
 prompt = 'The '
 num_tokens = 200
-temperature = 0.8
+temperature = 0.8      # 0: greedy
 top_k = 50
+chat = False           # the prompt is a user's message in the tokenizer's chat template; stop after the answer
 seed = 1337
 tokenizer = ''  # '' means the one the checkpoint was trained with
 packed = True  # run ternary checkpoints on their 2-bit weights (False: fp latent weights, fake-quantized)
@@ -46,18 +47,25 @@ if packed and model.config.bitnet and not model.config.packed:
 weights = dict(model.named_parameters()) | {n: b for n, b in model.named_buffers() if n.endswith(('weight', 'weight_scale'))}
 weight_mb = sum(t.nbytes for t in weights.values()) / 2**20
 state_file = os.path.join(ckpt, 'train_state.pt')
-if not tokenizer:
-    tokenizer = torch.load(state_file, weights_only=True)['config']['tokenizer'] if os.path.exists(state_file) else 'bytes'
-enc = get_tokenizer(tokenizer)
+if not tokenizer:  # the checkpoint's own: a tokenizer.json beside it, or the one it was trained with
+    tokenizer = ckpt if os.path.exists(os.path.join(ckpt, 'tokenizer.json')) else \
+        torch.load(state_file, weights_only=True)['config']['tokenizer'] if os.path.exists(state_file) else 'bytes'
+try:
+    enc = get_tokenizer(tokenizer)
+    end = chat_template(enc)[2] if chat else ''  # the token that ends an answer (ChatML's <|im_end|>)
+    ids = chat_prompt(enc, prompt) if chat else enc.encode_ordinary(prompt)
+except (OSError, ValueError) as e:
+    sys.exit(f"error: tokenizer {tokenizer!r}: {e}")
 
 torch.manual_seed(seed)
-idx = torch.tensor([enc.encode_ordinary(prompt)], device=device)
+idx = torch.tensor([ids], device=device)
 num_tokens = min(num_tokens, model.config.max_seq_len - idx.size(1))
 with torch.no_grad():
     model(idx[:, :1])  # warm-up, so that a first-use kernel build is not timed
 t0 = time.time()
-out = model.generate(idx, num_tokens, temperature=temperature, top_k=top_k, vocab=enc.n_vocab)
-dt = time.time() - t0
-print(enc.decode(out[0].tolist()))
+out = model.generate(idx, num_tokens, temperature=temperature, top_k=top_k,
+                     eos_id=enc.encode_single_token(end) if chat else None, vocab=enc.n_vocab)[0].tolist()
+dt, num_tokens = time.time() - t0, len(out) - idx.size(1)
+print(enc.decode(out[idx.size(1):] if chat else out).removesuffix(end))  # a chat prints just the answer
 kind = 'packed ternary' if model.config.packed else 'ternary (fake-quantized)' if model.config.bitnet else 'fp'
 print(f"--- {ckpt}: {kind}, weights {weight_mb:.1f} MiB, {num_tokens / dt:.1f} tokens/s")

@@ -173,12 +173,10 @@ def batch(step, micro, data=None):
 
 
 def first_batches(n):
-    """The token ids of the first n micro-batches that training will see; the loader stays where it was."""
-    saved = loader.state_dict() if loader else None
-    xs = [batch(0, i)['x'] for i in range(n)]
-    if loader:
-        loader.load_state_dict(saved)
-    return xs
+    """The token ids of training's first n micro-batches (a fresh loader: the run's stays put)."""
+    fresh = loader and Loader(mixture or dataset, batch_size, block_size, 'train', rank, world_size,
+                              seed)
+    return [fresh.next_batch()['x'].to(device) if fresh else batch(0, i)['x'] for i in range(n)]
 
 
 def val_batches(n):
@@ -408,17 +406,13 @@ def evaluate():
 
 
 @torch.no_grad()
-def greedy_samples(n=48):
-    """Greedy continuations of eval_prompts, so that a run's samples can be read beside its losses."""
-    raw_model.eval()
-    outs = []
-    for p in eval_prompts:
-        x = torch.tensor([enc.encode_ordinary(p)], device=device)
-        with ctx:
-            y = raw_model.generate(x, min(n, raw_model.config.max_seq_len - x.size(1)), temperature=0, vocab=enc.n_vocab)
-        outs.append(enc.decode(y[0, x.size(1):].tolist()))
-    raw_model.train()
-    return outs
+def continuations(prompts, n, temperature=0.0, top_k=None):
+    """The model's continuations of prompts (greedy at temperature 0), in its trained positions."""
+    xs = [torch.tensor([enc.encode_ordinary(p)], device=device) for p in prompts]
+    room = lambda x: min(n, raw_model.config.max_seq_len - x.size(1))
+    with ctx:  # the model has no dropout, so train mode samples as eval mode would
+        ys = [raw_model.generate(x, room(x), temperature, top_k, vocab=enc.n_vocab) for x in xs]
+    return [enc.decode(y[0, x.size(1):].tolist()) for x, y in zip(xs, ys)]
 
 
 def remix():
@@ -601,7 +595,7 @@ while step < max_steps:
         if is_eval:
             rec['val_loss'] = evaluate()
             if eval_prompts and master:
-                rec['samples'] = greedy_samples()
+                rec['samples'] = continuations(eval_prompts, 48)  # read them beside the losses
             improved = rec['val_loss'] < best_val - min_delta
             if improved:
                 best_val, best_step, bad_evals = rec['val_loss'], step, 0
@@ -628,11 +622,7 @@ while step < max_steps:
         break
 
 if master and sample_tokens:
-    prompt = torch.tensor([enc.encode_ordinary('The ')], device=device)
-    with ctx:
-        n = min(sample_tokens, raw_model.config.max_seq_len - prompt.size(1))  # stay within trained positions
-        out = raw_model.eval().generate(prompt, n, temperature=0.8, top_k=50, vocab=enc.n_vocab)
-    print('-' * 40 + '\n' + enc.decode(out[0].tolist()) + '\n' + '-' * 40)
+    print('-' * 40 + '\nThe ' + continuations(['The '], sample_tokens, temperature=0.8, top_k=50)[0] + '\n' + '-' * 40)
 if ddp:
     dist.destroy_process_group()
     # gloo's threads free the last collectives' tensors under the GIL; exiting before they do aborts (SIGABRT)

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from bitlinear import BitLinear, activation_quant, convert_to_bitnet, set_lambda, weight_quant
+from bitlinear import BitLinear, SubLN, activation_quant, convert_to_bitnet, set_lambda, weight_quant
 from model import ModelConfig, Transformer
 
 
@@ -258,3 +258,47 @@ def test_training_compiles_in_one_graph(lam):
     assert torch.allclose(y, y_eager, rtol=1e-5, atol=1e-5)
     for a, b in zip(grads, [x.grad, layer.weight.grad, layer.bias.grad]):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+
+
+def test_subln_ramps_from_identity_to_rmsnorm():
+    torch.manual_seed(0)
+    norm = SubLN(8, eps=1e-5)
+    nn.init.uniform_(norm.weight, 0.5, 2.0)
+    x = torch.randn(3, 5, 8) * torch.tensor([0.01, 1.0, 30.0])[:, None, None]  # tokens of very different RMS
+    normed = x / (x.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt() * norm.weight  # RMSNorm, by hand
+    for lam in (0.0, 0.3, 1.0):
+        set_lambda(norm, lam)
+        torch.testing.assert_close(norm(x), (1 - lam) * x + lam * normed)
+    set_lambda(norm, 0.0)
+    assert torch.equal(norm(x), x)  # exactly the identity: a converted model is its fp self at lambda 0
+    plain = nn.RMSNorm(8, eps=1e-5)
+    plain.weight.data.copy_(norm.weight)
+    set_lambda(norm, 1.0)
+    assert torch.equal(norm(x), plain(x)) and list(norm.state_dict()) == ['weight']  # what transformers loads
+
+
+def test_calibrated_subln_gains_are_per_channel_least_squares():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, n_layer=2, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=48, max_seq_len=16)
+    fp = Transformer(cfg)
+    batches = [torch.randint(64, (2, 16)) for _ in range(3)]
+    inputs = {'o_proj': [], 'down_proj': []}  # what the fp model's o_proj and down_proj of layer 1 see
+    for name in inputs:
+        getattr(fp.layers[1].self_attn if name == 'o_proj' else fp.layers[1].mlp, name).register_forward_pre_hook(
+            lambda m, a, name=name: inputs[name].append(a[0].detach().double().flatten(0, 1)))
+    with torch.no_grad():
+        for x in batches:
+            fp(x)
+    student = Transformer(cfg)
+    student.load_state_dict(fp.state_dict())
+    student.to_bitnet(batches)
+    for name, norm in (('o_proj', student.layers[1].self_attn.attn_sub_norm),
+                       ('down_proj', student.layers[1].mlp.ffn_sub_norm)):
+        x = torch.cat(inputs[name])
+        u = x / (x.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()
+        g = (u * x).sum(0) / (u * u).sum(0)  # argmin_g sum_t (g u_t - x_t)^2, channel by channel
+        torch.testing.assert_close(norm.weight.detach().double(), g, rtol=1e-4, atol=1e-6)
+    assert all(m.lam.item() == 1.0 for m in student.modules() if isinstance(m, (SubLN, BitLinear)))
+    set_lambda(student, 0.0)
+    with torch.no_grad():
+        torch.testing.assert_close(student(batches[0]), fp(batches[0]), rtol=0, atol=0)  # lambda 0: the fp model

@@ -137,3 +137,79 @@ def test_smollm_command_offline_fails_fast_in_one_line(tmp_path):
     line = r.stderr.strip()
     assert '\n' not in line, line
     assert 'https://huggingface.co/HuggingFaceTB/SmolLM2-135M/resolve/main/' in line and 'local' in line, line
+
+
+# ---------------------------------------------------------------- the real model: SmolLM2-135M-Instruct
+
+@pytest.fixture(scope='module')
+def real():
+    """The real pretrained model as a Hugging Face directory (tests/smollm2.py; made once, cached)."""
+    for extra in ('gguf', 'transformers', 'tokenizers'):
+        pytest.importorskip(extra)
+    from smollm2 import smollm2
+    return smollm2()
+
+
+def real_texts():
+    import inspect
+    import json as json_module
+    from pydoc_data.topics import topics
+    return [topics['with'][:3000], inspect.getsource(json_module.dumps),  # English with code; Python source
+            'In 2024, 1234567 people paid $3.14159 each (10,000.5 in all) on 2024-11-24T05:21:12Z.',
+            'naïve café — 東京 🚀 Ελληνικά, ﬁ ligature, e\u0301, \u00a0non-breaking,\ttab\r\n  trailing   ',
+            '<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n<|endoftext|>']
+
+
+@pytest.mark.slow
+def test_real_tokenizer_ids_equal_hf_tokenizers(real):
+    from tokenizers import Tokenizer
+    from data import get_tokenizer
+    theirs, ours = Tokenizer.from_file(os.path.join(real, 'tokenizer.json')), get_tokenizer(real)
+    for text in real_texts():
+        assert ours.encode(text, allowed_special='all') == theirs.encode(text, add_special_tokens=False).ids, text[:60]
+    assert ours.encode_ordinary('2024') == [ours.encode_single_token(d) for d in '2024']  # SmolLM2 splits digits
+
+
+@pytest.mark.slow
+def test_real_model_logits_and_greedy_answer_equal_transformers(real):
+    from transformers import AutoModelForCausalLM
+    from data import chat_prompt, get_tokenizer
+    enc = get_tokenizer(real)
+    ours, theirs = Transformer.from_pretrained(real).eval(), AutoModelForCausalLM.from_pretrained(real).eval()
+    x = torch.tensor([enc.encode(''.join(real_texts()), allowed_special='all')[:200]])
+    with torch.no_grad():
+        diff = (ours(x) - theirs(x).logits).abs().max().item()
+    assert diff < 1e-4, diff
+    prompt = torch.tensor([chat_prompt(enc, 'What is the capital of France?')])
+    with torch.no_grad():
+        a = ours.generate(prompt, 12, temperature=0)[0, prompt.size(1):]
+        b = theirs.generate(prompt, max_new_tokens=12, do_sample=False)[0, prompt.size(1):]
+    assert a.tolist() == b.tolist() and 'Paris' in enc.decode(a.tolist())
+
+
+@pytest.mark.slow
+def test_real_model_converted_at_lambda_0_keeps_its_held_out_loss(real):
+    """Conversion inserts SubLN; at lambda 0 the converted model must still be the pretrained one.
+    Calibrated gains also keep it close with the norms at full strength, where gain 1 breaks it."""
+    from bitlinear import SubLN, set_lambda
+    from data import get_tokenizer, offline_corpus
+    train, val = (torch.from_numpy(t[:2049].astype('int64')) for t in offline_corpus(get_tokenizer(real)))
+
+    @torch.no_grad()
+    def heldout(m):  # nats per token, 4 windows of 512 held-out tokens
+        return F.cross_entropy(m(val[:-1].view(4, 512)).flatten(0, 1), val[1:]).item()
+    teacher = heldout(Transformer.from_pretrained(real))
+    assert 2.0 < teacher < 3.0, teacher
+    calib = [train[i:i + 512][None] for i in range(0, 2048, 512)]  # training text, never the held-out split
+    losses = {}
+    for kind in ('calibrated', 'gain 1'):
+        student = Transformer.from_pretrained(real).to_bitnet(calib if kind == 'calibrated' else ())
+        set_lambda(student, 0.0)
+        losses[kind, 0] = heldout(student)
+        for m in student.modules():  # the norms at full strength, the weights still fp
+            if isinstance(m, SubLN):
+                m.lam.fill_(1.0)
+        losses[kind, 1] = heldout(student)
+    print(f"held-out nats/token: teacher {teacher:.4f}; {losses}")
+    assert abs(losses['calibrated', 0] - teacher) < 0.05 and abs(losses['gain 1', 0] - teacher) < 0.05
+    assert losses['calibrated', 1] < teacher + 3 < losses['gain 1', 1]

@@ -132,3 +132,19 @@ def test_bad_data_settings_fail_in_one_line(tmp_path):
     assert r.returncode != 0 and r.stderr.strip().count('\n') == 0 and 'mixture' in r.stderr
     r = run([*TINY, f'--out_dir={tmp_path}', f'--dataset={tmp_path / "none"}'])
     assert r.returncode != 0 and r.stderr.strip().count('\n') == 0 and 'shards' in r.stderr
+
+
+def test_every_eval_logs_the_greedy_continuations_of_eval_prompts(tmp_path):
+    from data import get_tokenizer
+    from model import Transformer
+    out = str(tmp_path / 'out')
+    r = run([*TINY, f'--out_dir={out}', '--max_steps=4', '--eval_interval=2', "--eval_prompts=['def ', 'The ']"])
+    assert r.returncode == 0, r.stderr
+    recs = log(out)
+    assert [rec['step'] for rec in recs if 'samples' in rec] == [2, 4]  # eval steps only
+    # the last one is what the saved model writes greedily, up to its 32 trained positions
+    model, enc = Transformer.from_pretrained(os.path.join(out, 'ckpt_0000004')).eval(), get_tokenizer('bytes')
+    for prompt, sample in zip(('def ', 'The '), recs[-1]['samples']):
+        x = torch.tensor([enc.encode_ordinary(prompt)])
+        y = model.generate(x, 32 - x.size(1), temperature=0, vocab=enc.n_vocab)[0, x.size(1):]
+        assert sample == enc.decode(y.tolist()) and len(y) == 28
