@@ -252,7 +252,8 @@ class PackedBitLinear(nn.Module):
     """A frozen BitLinear for inference: 2-bit weights and gamma, no latent fp weights. In memory
     the weights are in kernels.py's layout when that file is there (the HF layout otherwise);
     the state dict is always transformers' offline format: `weight` uint8 (ceil(out/4), in) in
-    the HF layout and `weight_scale` (1,) = gamma."""
+    the HF layout, `weight_scale` (1,) = gamma, and `bias / gamma`, because transformers' offline
+    AutoBitLinear scales its output, bias included: (x_q @ W_q^T / s + bias) * gamma."""
 
     def __init__(self, w_q, gamma, bias=None):
         super().__init__()
@@ -279,11 +280,15 @@ class PackedBitLinear(nn.Module):
         super()._save_to_state_dict(dest, prefix, keep_vars)
         if has_kernels:  # files hold the HF layout, whatever layout the kernels read
             dest[prefix + 'weight'] = pack_hf(unpack(self.weight, self.in_features))
+        if self.bias is not None:
+            dest[prefix + 'bias'] = self.bias.detach() / self.weight_scale
 
     def _load_from_state_dict(self, sd, prefix, *args):
-        w = sd.get(prefix + 'weight')
+        w, b, gamma = (sd.get(prefix + k) for k in ('weight', 'bias', 'weight_scale'))
         if has_kernels and w is not None and w.shape == (-(-self.out_features // 4), self.in_features):
             sd[prefix + 'weight'] = pack(unpack_hf(w, self.out_features))
+        if b is not None and gamma is not None:
+            sd[prefix + 'bias'] = b * gamma
         super()._load_from_state_dict(sd, prefix, *args)
 
 

@@ -282,8 +282,12 @@ class Transformer(nn.Module):
                 raise ValueError(f"cannot read {file} ({e}); re-download or re-save the checkpoint") from None
         sd = {k.removeprefix('model.'): v.to(dtype) if v.is_floating_point() else v  # packed weights stay uint8
               for k, v in sd.items() if not k.endswith('rotary_emb.inv_freq')}
-        if (hf.get('quantization_config') or {}).get('linear_class') == 'bitlinear':  # the older class stores 1/gamma
-            sd = {k: 1 / v if k.endswith('weight_scale') else v for k, v in sd.items()}
+        if (hf.get('quantization_config') or {}).get('linear_class') == 'bitlinear':
+            for k in [k for k in sd if k.endswith('weight_scale')]:  # the older class stores 1/gamma ...
+                bias = k.removesuffix('weight_scale') + 'bias'
+                if bias in sd:  # ... and adds the bias unscaled; ours is stored as bias / gamma
+                    sd[bias] = sd[bias] * sd[k]
+                sd[k] = 1 / sd[k]
         if model.config.tie_embeddings:
             sd.pop('lm_head.weight', None)
         own = {k for k in model.state_dict() if not (model.config.tie_embeddings and k == 'lm_head.weight')}

@@ -289,24 +289,38 @@ def hf_logits(path, idx):
         return type(ref.model.layers[0].mlp.up_proj).__name__, ref(idx).logits
 
 
-def test_transformers_loads_the_packed_export_with_the_same_logits(tmp_path, cpp):
-    model = tiny_ternary(tie_embeddings=True).freeze()
+def biased(model):
+    """Qwen-style attention biases, random, so that where the bias is added (before or after gamma) shows."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith('bias'):
+                p.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize('bias', [False, True])
+def test_transformers_loads_the_packed_export_with_the_same_logits(tmp_path, cpp, bias):
+    model = biased(tiny_ternary(tie_embeddings=True, attention_bias=bias)).freeze()
     model.save_pretrained(tmp_path)
     idx = torch.randint(90, (2, 11), generator=torch.Generator().manual_seed(1))
     name, ref = hf_logits(tmp_path, idx)
     assert name == 'AutoBitLinear'
+    loaded = Transformer.from_pretrained(str(tmp_path)).eval()
     with torch.no_grad():
         assert (model(idx) - ref).abs().max().item() <= 1e-4
+        assert (loaded(idx) - model(idx)).abs().max().item() <= 1e-5  # import agrees too
 
 
-def test_older_bitlinear_class_with_inverse_scale_loads(tmp_path, cpp):
-    # transformers' older BitLinear class stores 1/gamma and divides by it
-    model = tiny_ternary().freeze()
+@pytest.mark.parametrize('bias', [False, True])
+def test_older_bitlinear_class_with_inverse_scale_loads(tmp_path, cpp, bias):
+    # transformers' older BitLinear class stores 1/gamma, divides by it, and adds the bias after
+    model = biased(tiny_ternary(attention_bias=bias)).freeze()
     model.save_pretrained(tmp_path)
     cfg = json.load(open(tmp_path / 'config.json'))
     cfg['quantization_config']['linear_class'] = 'bitlinear'
     json.dump(cfg, open(tmp_path / 'config.json', 'w'))
     sd = load_file(tmp_path / 'model.safetensors')
+    sd = {k: v * sd[k.removesuffix('bias') + 'weight_scale'] if k.endswith('proj.bias') else v for k, v in sd.items()}
     save_file({k: 1 / v if k.endswith('weight_scale') else v for k, v in sd.items()}, tmp_path / 'model.safetensors',
               metadata={'format': 'pt'})
     idx = torch.randint(90, (2, 11), generator=torch.Generator().manual_seed(1))
