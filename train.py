@@ -387,8 +387,9 @@ def clip_gradients():
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     adaptive = zclipper is not None and len(zclipper.norms) == zclipper.warmup
-    target = zclipper.target(norm.item()) if zclipper else grad_clip or float('inf')  # a CPU-GPU sync
-    if math.isfinite(norm.item()) and norm.item() > target:
+    finite = math.isfinite(norm.item())  # a CPU-GPU sync; a non-finite step is skipped, and ZClip never sees it
+    target = zclipper.target(norm.item()) if zclipper and finite else grad_clip or float('inf')
+    if finite and norm.item() > target:
         torch.nn.utils.clip_grads_with_norm_(params, target, norm)
     return norm, target if adaptive and target < norm.item() else None
 

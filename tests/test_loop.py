@@ -193,9 +193,11 @@ def test_zclip_on_a_scripted_sequence_of_norms():
 def test_injected_spike_is_clipped_and_logged(tmp_path):
     out = str(tmp_path / 'out')
     # 1 micro-step per step: loss call 30 is step 30's, after ZClip's 25-step warmup
-    r = run(['--max_steps=32', '--zclip=True', f'--out_dir={out}', '--eval_interval=100'], spike=[30])
+    # a non-finite step (28) before the spike must leave ZClip's statistics alone (it is skipped)
+    r = run(['--max_steps=32', '--zclip=True', f'--out_dir={out}', '--eval_interval=100'], nan=[28], spike=[30])
     assert r.returncode == 0, r.stderr
     recs = {rec['step']: rec for rec in log(out)}
+    assert recs[28]['skipped'] == 1
     assert 'zclip' in recs[30] and recs[30]['zclip'] < recs[30]['grad_norm'] / 10
     assert not any('zclip' in recs[s] for s in range(26, 30))
 
