@@ -49,8 +49,11 @@ class Objective:
         raise NotImplementedError
 
 
-def ce_loss(logits, y):
-    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+def ce_loss(logits, y, reduction='mean'):
+    """Cross-entropy over the counted targets (IGNORE marks the rest): their mean or their sum. With none
+    counted (an SFT window holding only a prompt) the mean is 0, with a zero gradient, instead of 0/0."""
+    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction='sum')
+    return loss if reduction == 'sum' else loss / (y != IGNORE).sum().clamp(min=1)
 
 
 class CrossEntropy(Objective):

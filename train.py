@@ -29,7 +29,8 @@ from bitlinear import set_lambda
 from configurator import configure
 from data import Loader, get_batch, get_tokenizer, eos_id, offline_corpus, setup_data, source_scores
 from model import ModelConfig, Transformer
-from objectives import OBJECTIVES, preference_pairs, CurriculumScheduler, LocalTeacher, ObjectiveManager, RemoteTeacher, ce_loss
+from objectives import (IGNORE, OBJECTIVES, CurriculumScheduler, LocalTeacher, ObjectiveManager, RemoteTeacher, ce_loss,
+                        preference_pairs)
 
 _imported = set(globals())  # everything defined below, up to the ruler, is a setting
 # -----------------------------------------------------------------------------
@@ -45,7 +46,7 @@ keep_last = 2          # complete checkpoints to keep, besides the best one
 patience = 0           # early stopping: stop after this many evals without improvement (0: never)
 min_delta = 0.0        # ... where an improvement means a val loss lower by more than this
 sample_tokens = 300    # printed at the end of training; 0 to skip
-eval_prompts = []      # at every eval, the greedy continuation of each is logged (log.jsonl 'samples')
+eval_prompts = []      # at every eval, the greedy continuation of each is logged ('samples')
 wandb_log = False
 wandb_project = 'nanobitnet'
 # data
@@ -73,7 +74,7 @@ rope_theta = 10000.0
 tie_embeddings = True
 bitnet = True          # ternary attention/MLP linears with SubLN; False gives the fp twin
 lambda_warmup = 0.0    # fraction of max_steps over which quantization ramps from fp (0) to ternary (1)
-subln_calib = 4        # converting a pretrained model: batches that calibrate the SubLN gains (0: gain 1)
+subln_calib = 4        # converting a pretrained model: batches that calibrate SubLN (0: gain 1)
 lrc_rank = 0           # low-rank correction adapters on every BitLinear (0: none)
 # objectives: name -> settings (see objectives.py), weighed by a curriculum of phases
 # [(end as a fraction of max_steps, {name: weight}), ...], switched or blended ('linear', 'cosine')
@@ -188,7 +189,7 @@ def val_batches(n):
 
 
 def checkpoints(folder):
-    """Complete checkpoints in a run's folder, oldest first (a save in progress is named .tmp_ckpt_)."""
+    """Complete checkpoints in a run's folder, oldest first (saves in progress are .tmp_ckpt_*)."""
     names = os.listdir(folder) if os.path.isdir(folder) else []
     return sorted(os.path.join(folder, n) for n in names if n.startswith('ckpt_'))
 
@@ -226,7 +227,7 @@ else:
         sys.exit(f"error: tokenizer {tokenizer!r} has {enc.n_vocab} tokens but the model only {model.config.vocab_size}; use the model's tokenizer")
     if model.config.max_seq_len < block_size:
         sys.exit(f"error: block_size={block_size} exceeds the model's max_seq_len={model.config.max_seq_len}")
-    if bitnet and not model.config.bitnet:  # a pretrained fp model: calibrate SubLN on the first batches
+    if bitnet and not model.config.bitnet:  # a pretrained fp model: calibrate SubLN on its data
         model.to_bitnet(first_batches(subln_calib))
 if lrc_rank and not model.config.lrc_rank:
     model.add_lrc(lrc_rank)  # from the (converted) weights: the SVD of their quantization residual
@@ -396,14 +397,16 @@ def clip_gradients():
 
 @torch.no_grad()
 def evaluate():
-    """Mean val loss over eval_iters batches; the same batches at every evaluation."""
-    model.eval()
-    losses = torch.zeros(eval_iters, device=device)
-    for i, b in enumerate(val_batches(eval_iters)):
+    """The val loss per counted target over eval_iters batches, the same batches at every evaluation.
+    (No model.eval(): without dropout the model computes the same in either mode.)"""
+    sums = torch.zeros(2, device=device)  # summed loss, counted targets
+    for b in val_batches(eval_iters):
         with ctx:
-            losses[i] = ce_loss(model(b['x']), b['y'])
-    model.train()
-    return all_mean(losses.mean()).item()  # a CPU-GPU sync
+            sums += torch.stack([ce_loss(model(b['x']), b['y'], 'sum'), (b['y'] != IGNORE).sum()])
+    loss, counted = all_mean(sums).tolist()  # a CPU-GPU sync
+    if not counted:
+        sys.exit("error: no val batch holds a counted target (SFT answers); raise eval_iters or block_size")
+    return loss / counted
 
 
 @torch.no_grad()
@@ -411,7 +414,7 @@ def continuations(prompts, n, temperature=0.0, top_k=None):
     """The model's continuations of prompts (greedy at temperature 0), in its trained positions."""
     xs = [torch.tensor([enc.encode_ordinary(p)], device=device) for p in prompts]
     room = lambda x: min(n, raw_model.config.max_seq_len - x.size(1))
-    with ctx:  # the model has no dropout, so train mode samples as eval mode would
+    with ctx:
         ys = [raw_model.generate(x, room(x), temperature, top_k, vocab=enc.n_vocab) for x in xs]
     return [enc.decode(y[0, x.size(1):].tolist()) for x, y in zip(xs, ys)]
 

@@ -13,7 +13,7 @@ from bitlinear import BitLinear
 from model import ModelConfig, Transformer
 from objectives import (DPO, IGNORE, AttentionRelationKD, CrossEntropy, CurriculumScheduler, HiddenStateKD,
                         LocalTeacher, LogitsKD, LRCReconstruction, MaskedDiffusion, ObjectiveManager, RemoteTeacher,
-                        depth_map, dpo_loss, relations)
+                        ce_loss, depth_map, dpo_loss, relations)
 
 
 def tiny(seed=0, **kw):
@@ -286,3 +286,16 @@ def test_remote_teacher_fails_clearly_after_bounded_retries(trouble):
     assert time.time() - t0 < 5  # bounded: 3 tries of at most 0.5 s each, plus short backoffs
     if trouble != 'down':
         server.shutdown()
+
+
+def test_ce_with_no_counted_target_is_zero_not_nan():
+    """An SFT window that holds only a prompt: mean over zero targets is 0 with a zero gradient, not 0/0."""
+    logits = torch.randn(2, 3, 7, requires_grad=True)
+    y = torch.full((2, 3), IGNORE)
+    loss = ce_loss(logits, y)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(logits.grad, torch.zeros_like(logits))
+    y[0, 1], y[1, 2] = 4, 0  # two counted targets: their mean, computed by hand
+    by_hand = -(F.log_softmax(logits[0, 1], -1)[4] + F.log_softmax(logits[1, 2], -1)[0]) / 2
+    torch.testing.assert_close(ce_loss(logits, y), by_hand)
+    torch.testing.assert_close(ce_loss(logits, y, 'sum'), 2 * by_hand)

@@ -148,3 +148,27 @@ def test_every_eval_logs_the_greedy_continuations_of_eval_prompts(tmp_path):
         x = torch.tensor([enc.encode_ordinary(prompt)])
         y = model.generate(x, 32 - x.size(1), temperature=0, vocab=enc.n_vocab)[0, x.size(1):]
         assert sample == enc.decode(y.tolist()) and len(y) == 28
+
+
+def test_sft_val_loss_counts_only_answers_when_some_val_batches_hold_none(tmp_path):
+    """Long prompts, short answers, small windows: some val batches hold no answer token. The val loss is
+    the mean over the counted targets of all val batches, never 0/0 (which made it NaN and stopped runs);
+    val data with no answer at all is a one-line error."""
+    from pydoc_data.topics import topics
+    keys = sorted(topics)
+    train = [{'prompt': topics[k][:300], 'response': topics[k][300:340]} for k in keys]
+    val = [{'prompt': topics[k][:600], 'response': 'yes'} for k in keys[:2]]
+    val += [{'prompt': k, 'response': topics[k][:100]} for k in keys[2:4]]
+    prompts = [{'messages': [{'role': 'user', 'content': topics[k][:600]}]} for k in keys[:4]]  # no answer
+    for name, rows in (('train', train), ('val', val), ('prompts', prompts)):
+        (tmp_path / f'{name}.jsonl').write_text('\n'.join(json.dumps(c) for c in rows))
+    args = [*TINY, '--max_steps=2', '--eval_interval=1', '--eval_iters=8', '--data_format=chat']
+    out = str(tmp_path / 'out')
+    r = run([*args, f'--out_dir={out}', f'--dataset={tmp_path / "a"}',
+             f"--data_files={{'train': '{tmp_path / 'train.jsonl'}', 'val': '{tmp_path / 'val.jsonl'}'}}"])
+    assert r.returncode == 0, r.stderr
+    vals = [rec['val_loss'] for rec in log(out) if 'val_loss' in rec]
+    assert len(vals) == 2 and all(math.isfinite(v) and v > 0 for v in vals)
+    r = run([*args, f'--out_dir={tmp_path / "b"}', f'--dataset={tmp_path / "b"}',
+             f"--data_files={{'train': '{tmp_path / 'train.jsonl'}', 'val': '{tmp_path / 'prompts.jsonl'}'}}"])
+    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith('error: no val batch holds a counted')
