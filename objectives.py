@@ -84,7 +84,8 @@ class LogitsKD(Objective):
         else:
             log_pt = F.log_softmax(t['topk_logprobs'].float() / self.T, -1)          # (B, T, k)
             log_ps = F.log_softmax(s['logits'].float() / self.T, -1).gather(-1, t['topk_ids'])
-            per_token = self.T ** 2 * (log_pt.exp() * (log_pt - log_ps)).sum(-1)
+            p = log_pt.exp()  # 0 where fewer than k logprobs came (-inf padding): 0 * log 0 counts as 0
+            per_token = self.T ** 2 * (p * (log_pt - log_ps).masked_fill(p == 0, 0)).sum(-1)
         return (per_token * counted).sum() / counted.sum().clamp(min=1)
 
 

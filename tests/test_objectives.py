@@ -47,6 +47,23 @@ def test_sparse_kd_equals_dense_when_k_is_the_vocabulary():
     assert abs(dense.item() - sparse.item()) < 1e-5 and dense.item() > 0
 
 
+def test_sparse_kd_with_fewer_than_k_logprobs_is_finite_and_exact():
+    """A server may send fewer than k logprobs at a position (-inf padding): those slots count for nothing."""
+    torch.manual_seed(0)
+    z_s, y = torch.randn(1, 2, 9, requires_grad=True), torch.randint(9, (1, 2))
+    ids = torch.tensor([[[3, 1, 7, 0], [5, 2, 0, 0]]])
+    logprobs = torch.tensor([[[-0.5, -1.5, -2.5, -float('inf')], [-0.2, -1.9, -float('inf'), -float('inf')]]])
+    T = 2.0
+    loss = LogitsKD(temperature=T).loss({'y': y}, {'logits': z_s}, {'topk_logprobs': logprobs, 'topk_ids': ids})
+    loss.backward()
+    expected = 0.0
+    for pos, n in ((0, 3), (1, 2)):  # by hand, over the valid entries only
+        lt = torch.log_softmax(logprobs[0, pos, :n] / T, -1)
+        ls = torch.log_softmax(z_s[0, pos].detach() / T, -1)[ids[0, pos, :n]]
+        expected += T * T * (lt.exp() * (lt - ls)).sum().item() / 2
+    assert abs(loss.item() - expected) < 1e-5 and torch.isfinite(z_s.grad).all()
+
+
 def test_attention_relation_kd_formula_with_gqa_widths():
     torch.manual_seed(0)
     B, T, r = 2, 5, 2
