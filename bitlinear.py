@@ -129,7 +129,8 @@ class BitLinearFunction(torch.autograd.Function):
         g = grad_y.reshape(-1, grad_y.shape[-1])  # (M, N)
         if ctx.ternary:
             x_q, s, w_q, gamma = ctx.saved_tensors
-            x_f, w_f = x_q.to(g.dtype) / s.to(g.dtype), w_q.to(g.dtype) * gamma.to(g.dtype)
+            # divide in fp32: in fp16 a token with max|x| < 1.9e-3 has s > 65504 = inf, and x_q / s = 0
+            x_f, w_f = (x_q / s).to(g.dtype), w_q.to(g.dtype) * gamma.to(g.dtype)
         else:
             x_f, w_f = (t.to(g.dtype) for t in ctx.saved_tensors)
         grad_x = (g @ w_f).view(*grad_y.shape[:-1], -1)

@@ -302,3 +302,17 @@ def test_calibrated_subln_gains_are_per_channel_least_squares():
     set_lambda(student, 0.0)
     with torch.no_grad():
         torch.testing.assert_close(student(batches[0]), fp(batches[0]), rtol=0, atol=0)  # lambda 0: the fp model
+
+
+def test_fp16_backward_keeps_the_weight_gradient_of_tiny_tokens():
+    """In fp16 a token whose max|x| is below 127 / 65504 = 1.9e-3 has an activation scale s = inf; its
+    share of grad_W = grad_y^T (x_q / s) must not vanish."""
+    torch.manual_seed(0)
+    layer = BitLinear(16, 8).half()
+    x = (torch.randn(3, 16) * torch.tensor([1e-3, 5e-4, 1e-4])[:, None]).half()
+    g = torch.randn(3, 8).half()
+    layer(x).backward(g)
+    x_q, s = activation_quant(x)
+    expected = g.double().t() @ (x_q.double() / s.double())  # by hand, in float64
+    assert expected.abs().max() > 1e-3
+    torch.testing.assert_close(layer.weight.grad.double(), expected, rtol=1e-2, atol=1e-6)
