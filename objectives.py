@@ -204,13 +204,16 @@ class DPO(Objective):
 
 def preference_pairs(path, enc, block_size, eos):
     """A jsonl of {"prompt", "chosen", "rejected"} as DPO's pairs: four (N, block_size) tensors
-    x_w, y_w, x_l, y_l. Each answer follows its prompt and ends with eos; the targets of the
-    prompt and of the padding are IGNORE."""
+    x_w, y_w, x_l, y_l. Each sequence starts with eos (as every document does) and the prompt, and
+    the answer follows, ending with eos; the targets of the prompt and of the padding are IGNORE."""
     rows = []
     with open(path) as f:
-        for line in f:
+        for n, line in enumerate(f, 1):
             ex = json.loads(line)
-            prompt = enc.encode_ordinary(ex['prompt'])
+            prompt = [eos] + enc.encode_ordinary(ex['prompt'])
+            if len(prompt) >= block_size:
+                raise ValueError(f"{path} line {n}: a prompt of {len(prompt)} tokens leaves no room for an answer "
+                                 f"in block_size={block_size}; shorten it or raise block_size")
             for answer in (ex['chosen'], ex['rejected']):
                 ids = (prompt + enc.encode_ordinary(answer) + [eos])[:block_size + 1]
                 x, y = torch.full((block_size,), eos), torch.full((block_size,), IGNORE)

@@ -13,7 +13,7 @@ from bitlinear import BitLinear
 from model import ModelConfig, Transformer
 from objectives import (DPO, IGNORE, AttentionRelationKD, CrossEntropy, CurriculumScheduler, HiddenStateKD,
                         LocalTeacher, LogitsKD, LRCReconstruction, MaskedDiffusion, ObjectiveManager, RemoteTeacher,
-                        ce_loss, depth_map, dpo_loss, relations)
+                        ce_loss, depth_map, dpo_loss, preference_pairs, relations)
 
 
 def tiny(seed=0, **kw):
@@ -316,3 +316,22 @@ def test_ce_with_no_counted_target_is_zero_not_nan():
     by_hand = -(F.log_softmax(logits[0, 1], -1)[4] + F.log_softmax(logits[1, 2], -1)[0]) / 2
     torch.testing.assert_close(ce_loss(logits, y), by_hand)
     torch.testing.assert_close(ce_loss(logits, y, 'sum'), 2 * by_hand)
+
+
+def test_preference_pairs_by_hand_empty_prompt_and_too_long_prompt(tmp_path):
+    from data import byte_encoding
+    enc, eos = byte_encoding(), 256
+    rows = [{'prompt': 'Hi', 'chosen': 'yes', 'rejected': 'no'}, {'prompt': '', 'chosen': 'ok', 'rejected': 'x'}]
+    path = tmp_path / 'pairs.jsonl'
+    path.write_text('\n'.join(json.dumps(r) for r in rows))
+    x_w, y_w, x_l, y_l = preference_pairs(str(path), enc, 8, eos)
+    H, i, y, e, s, o, k, n, X = (ord(c) for c in 'Hiyesokn' + 'x')
+    I = IGNORE
+    # eos, prompt, answer, eos; padded with eos; only the answer and its eos are counted targets
+    assert x_w.tolist() == [[eos, H, i, y, e, s, eos, eos], [eos, o, k, eos, eos, eos, eos, eos]]
+    assert y_w.tolist() == [[I, I, y, e, s, eos, I, I], [o, k, eos, I, I, I, I, I]]
+    assert x_l.tolist() == [[eos, H, i, n, o, eos, eos, eos], [eos, X, eos, eos, eos, eos, eos, eos]]
+    assert y_l.tolist() == [[I, I, n, o, eos, I, I, I], [X, eos, I, I, I, I, I, I]]
+    path.write_text(json.dumps({'prompt': 'a' * 20, 'chosen': 'b', 'rejected': 'c'}))
+    with pytest.raises(ValueError, match=r'line 1: a prompt of 21 tokens leaves no room for an answer in block_size=8'):
+        preference_pairs(str(path), enc, 8, eos)
