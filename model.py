@@ -56,6 +56,8 @@ class ModelConfig:
     bitnet: bool = False         # attention/MLP linears are ternary BitLinear
     lrc_rank: int = 0            # rank of the low-rank correction on each BitLinear (0: none)
     packed: bool = False         # BitLinears frozen to 2-bit PackedBitLinears (inference only)
+    bos_token_id: int = None     # the tokenizer's; written to config.json even when None, since
+    eos_token_id: int = None     # transformers would otherwise assume its own (eos 2, a byte here)
 
     def __post_init__(self):
         self.head_dim = self.head_dim or self.n_embd // self.n_head
@@ -316,7 +318,8 @@ HF_KEYS = dict(vocab_size='vocab_size', n_layer='num_hidden_layers', n_embd='hid
                n_head='num_attention_heads', n_kv_head='num_key_value_heads', head_dim='head_dim',
                intermediate_size='intermediate_size', norm_eps='rms_norm_eps',
                max_seq_len='max_position_embeddings', tie_embeddings='tie_word_embeddings',
-               act='hidden_act', attention_bias='attention_bias', lrc_rank='lrc_rank')
+               act='hidden_act', attention_bias='attention_bias', lrc_rank='lrc_rank',
+               bos_token_id='bos_token_id', eos_token_id='eos_token_id')
 
 
 def config_from_hf(hf):

@@ -207,10 +207,11 @@ def load(src):
 # model: from scratch, from the last checkpoint, or from a Hugging Face directory
 step, best_val, best_step, bad_evals, state = 0, float('inf'), 0, 0, None
 if init_from == 'scratch':
-    model = Transformer(ModelConfig(
+    model = Transformer(ModelConfig(  # documents start with EOS, so it is also the BOS
         vocab_size=64 * math.ceil(enc.n_vocab / 64), n_layer=n_layer, n_embd=n_embd, n_head=n_head,
         n_kv_head=n_kv_head, intermediate_size=intermediate_size, rope_theta=rope_theta, act=act,
-        max_seq_len=block_size, tie_embeddings=tie_embeddings, bitnet=bitnet))
+        max_seq_len=block_size, tie_embeddings=tie_embeddings, bitnet=bitnet, bos_token_id=eos_id(enc),
+        eos_token_id=eos_id(enc)))
 else:
     if init_from == 'resume' and not checkpoints(out_dir):
         sys.exit(f"error: no checkpoint in {out_dir!r} to resume from; train once first or set --out_dir")
