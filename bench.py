@@ -28,7 +28,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import data
 import kernels
 from bitlinear import BitLinear
 from data import get_batch, get_tokenizer, offline_corpus

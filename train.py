@@ -22,7 +22,6 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bitlinear import set_lambda
@@ -31,6 +30,7 @@ from data import Loader, get_batch, get_tokenizer, eos_id, offline_corpus, setup
 from model import ModelConfig, Transformer
 from objectives import (IGNORE, OBJECTIVES, CurriculumScheduler, LocalTeacher, ObjectiveManager, RemoteTeacher, ce_loss,
                         preference_pairs)
+from optim import SCHEDULES, ZClip, auto_batch_size, lr_factor, lr_range_test, make_optimizers, param_groups, write_svg
 
 _imported = set(globals())  # everything defined below, up to the ruler, is a setting
 # -----------------------------------------------------------------------------
@@ -137,6 +137,11 @@ ctx = nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type,
 torch.manual_seed(seed + rank)
 os.makedirs(out_dir, exist_ok=True)
 
+def train_loader():
+    """The loader of the training shards, at the start of its order."""
+    return Loader(mixture or dataset, batch_size, block_size, 'train', rank, world_size, seed)
+
+
 # data: the offline corpus, or token shards that data.py downloads and prepares once (local rank 0 works, the
 # others wait). A resumed run sees exactly the batches it would have seen: the corpus's batches are a function
 # of (seed, step, sequence index), and the shard loader's position travels in the checkpoint.
@@ -146,7 +151,7 @@ try:
         raise ValueError("mixture= needs dataset= (whose val split is evaluated); remix_interval needs mixture=")
     if dataset:
         setup_data(dataset, data_files, tokenizer, data_format, text_field)
-        loader = Loader(mixture or dataset, batch_size, block_size, 'train', rank, world_size, seed)
+        loader = train_loader()
     else:
         loader, (train_data, val_data) = None, offline_corpus(enc)
     pairs = preference_pairs(dpo_data, enc, block_size, eos_id(enc)) if dpo_data else None
@@ -175,8 +180,7 @@ def batch(step, micro, data=None):
 
 def first_batches(n):
     """The token ids of training's first n micro-batches (a fresh loader: the run's stays put)."""
-    fresh = loader and Loader(mixture or dataset, batch_size, block_size, 'train', rank, world_size,
-                              seed)
+    fresh = loader and train_loader()
     return [fresh.next_batch()['x'].to(device) if fresh else batch(0, i)['x'] for i in range(n)]
 
 
@@ -257,88 +261,43 @@ except (TypeError, ValueError) as e:
     sys.exit(f"error: objectives/curriculum: {e}")
 
 
-def param_groups(model):
-    """Groups with their own LRs: hidden matrices (2-D, in the blocks), embedding, untied head, scalars (no decay)."""
-    groups = {'hidden': [], 'embed': [], 'head': [], 'scalar': []}
-    for name, p in model.named_parameters():
-        kind = 'scalar' if p.dim() < 2 else name.split('.')[0].replace('embed_tokens', 'embed').replace('lm_head', 'head')
-        groups['hidden' if kind == 'layers' else kind].append(p)
-    lrs = {'hidden': learning_rate, 'embed': embed_lr, 'head': head_lr, 'scalar': scalar_lr}
-    return [{'params': ps, 'name': n, 'base_lr': lrs[n] or learning_rate,
-             'weight_decay': 0.0 if n == 'scalar' else weight_decay} for n, ps in groups.items() if ps]
+if auto_batch and device_type != 'cuda':
+    print("auto_batch: does nothing on CPU (there is no memory limit to probe); keeping batch_size")
+elif auto_batch:  # the largest micro-batch that fits; the global batch stays the same
 
+    def try_batch(b):
+        x = torch.randint(enc.n_vocab, (b, block_size), device=device)
+        with ctx:
+            manager(raw_model, {'x': x, 'y': x}, 1.0)[0].backward()
+        raw_model.zero_grad(set_to_none=True)
+    tokens_wanted = batch_size * gradient_accumulation_steps
+    fits = torch.tensor(auto_batch_size(try_batch, 2 ** math.floor(math.log2(tokens_wanted))), device=device)
+    if ddp:  # every rank must run the same number of micro-steps
+        dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+    batch_size, gradient_accumulation_steps = fits.item(), max(1, tokens_wanted // fits.item())
+    loader = loader and train_loader()  # it has read nothing yet (a resumed one is restored below)
+    print(f"auto_batch: batch_size={batch_size} x gradient_accumulation_steps={gradient_accumulation_steps}")
 
-def make_optimizers(model):
-    """AdamW, or Muon (Jordan et al. 2024) on the hidden matrices: it orthogonalises each update (Newton-Schulz),
-    scaled by match_rms_adamw to take an AdamW-sized LR. Embedding, head and scalars stay on AdamW."""
-    groups = param_groups(model)
-    made = [(torch.optim.AdamW, [g for g in groups if optimizer == 'adamw' or g['name'] != 'hidden'],
-             dict(lr=learning_rate, betas=(beta1, beta2)))]
-    if optimizer == 'muon':
-        made.append((torch.optim.Muon, [g for g in groups if g['name'] == 'hidden'],
-                     dict(lr=learning_rate, momentum=0.95, nesterov=True, adjust_lr_fn='match_rms_adamw')))
-    if zero1 and ddp:  # each rank keeps and updates the optimizer state of its share of the parameters
-        return [ZeroRedundancyOptimizer(g, optimizer_class=cls, **kw) for cls, g, kw in made]
-    return [cls(g, **kw) for cls, g, kw in made]
-
-
-if optimizer not in ('adamw', 'muon') or schedule not in ('cosine', 'linear', 'constant', 'wsd', 'two_stage'):
-    sys.exit(f"error: optimizer={optimizer!r} / schedule={schedule!r}; use adamw or muon / cosine, linear, constant, wsd or two_stage")
-optimizers = make_optimizers(raw_model)
+if optimizer not in ('adamw', 'muon') or schedule not in SCHEDULES:
+    sys.exit(f"error: optimizer={optimizer!r} / schedule={schedule!r}; use adamw or muon / {', '.join(SCHEDULES)}")
 scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)
 
 
-def lr_factor(step):
-    """The LR of `step` as a fraction of each group's base LR: linear warmup, then the schedule."""
-    if step < warmup_steps or schedule == 'constant':
-        return min(1.0, (step + 1) / max(1, warmup_steps))
-    floor = min_lr / learning_rate
-    ratio = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-    if schedule == 'linear':
-        return 1.0 - (1.0 - floor) * ratio
-    if schedule == 'wsd':  # warmup-stable-decay: flat, then a linear cool-down over the last decay_frac
-        return 1.0 - (1.0 - floor) * max(0.0, (step - (1 - decay_frac) * max_steps) / (decay_frac * max_steps))
-    cosine = floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1.0 - floor)
-    if schedule == 'two_stage' and step >= max_steps // 2:  # BitNet b1.58: the LR drops at the midpoint
-        return cosine / 2
-    return cosine
+def new_optimizers():
+    """AdamW, or Muon on the hidden matrices (optim.py), every group at its own base LR."""
+    groups = param_groups(raw_model, learning_rate, weight_decay, embed_lr, head_lr, scalar_lr)
+    return make_optimizers(groups, optimizer, learning_rate, (beta1, beta2), zero1 and ddp)
 
 
-def set_lr(step, factor=None):
-    factor = lr_factor(step) if factor is None else factor
-    for opt in optimizers:
-        for g in opt.param_groups:
-            g['lr'] = g['base_lr'] * factor
-            if schedule == 'two_stage' and step >= max_steps // 2:
-                g['weight_decay'] = 0.0  # ... and weight decay goes to zero
+def set_lr(optimizers, factor):
+    """Every group's LR: its base LR times factor. Returns them, for the log."""
+    for g in (g for opt in optimizers for g in opt.param_groups):
+        g['lr'] = g['base_lr'] * factor
     return {f"lr_{g['name']}": g['lr'] for opt in optimizers for g in opt.param_groups}
 
 
-class ZClip:
-    """Adaptive gradient clipping (Kumar et al. 2025): EMAs of the grad norm's mean and variance; a norm
-    whose z-score exceeds z_thresh is a spike, clipped to mu + z_thresh^2 / z * sigma (the further out, the
-    harder). The first `warmup` steps only buffer norms (under the fixed grad_clip) to seed the statistics."""
-
-    def __init__(self, z_thresh=2.5, alpha=0.97, warmup=25):
-        self.z_thresh, self.alpha, self.warmup, self.norms, self.mu, self.var = z_thresh, alpha, warmup, [], 0.0, 0.0
-
-    def target(self, g):
-        """The norm to clip g to (g itself when it is not a spike); updates the statistics."""
-        if len(self.norms) < self.warmup:
-            self.norms.append(g)
-            if len(self.norms) == self.warmup:
-                t = torch.tensor(self.norms, dtype=torch.float64)
-                self.mu, self.var = t.mean().item(), t.var(unbiased=False).item()
-            return min(g, grad_clip or g)
-        sigma = math.sqrt(self.var)
-        z = (g - self.mu) / (sigma + 1e-6)
-        clipped = self.mu + self.z_thresh ** 2 / z * sigma if z > self.z_thresh else g
-        self.mu = self.alpha * self.mu + (1 - self.alpha) * clipped
-        self.var = self.alpha * self.var + (1 - self.alpha) * (clipped - self.mu) ** 2
-        return clipped
-
-
-zclipper = ZClip(zclip_z) if zclip else None
+optimizers = new_optimizers()
+zclipper = ZClip(zclip_z, max_norm=grad_clip) if zclip else None
 if state is not None:
     for opt, sd in zip(optimizers, state['optimizers']):
         opt.load_state_dict(sd)
@@ -388,7 +347,7 @@ def clip_gradients():
         scaler.unscale_(opt)
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    adaptive = zclipper is not None and len(zclipper.norms) == zclipper.warmup
+    adaptive = zclipper is not None and zclipper.adaptive
     finite = math.isfinite(norm.item())  # a CPU-GPU sync; a non-finite step is skipped, and ZClip never sees it
     target = zclipper.target(norm.item()) if zclipper and finite else grad_clip or float('inf')
     if finite and norm.item() > target:
@@ -464,83 +423,27 @@ def optimizer_states():
     return [opt.state_dict() for opt in optimizers] if master else None
 
 
-def find_lr(steps=100, lo=1e-8, hi=1.0):
-    """LR range test (Smith 2017): raise the LR exponentially from lo to hi, one step each,
-    until the smoothed loss exceeds 4x its minimum; suggest the LR where it fell fastest.
-    Model and optimizer are restored afterwards; the curve goes to lr_find.svg."""
-    saved = ({k: v.clone() for k, v in raw_model.state_dict().items()}, [o.state_dict() for o in optimizers])
-    lrs, losses, avg = [], [], 0.0
-    for i in range(steps):
-        lr = lo * (hi / lo) ** (i / (steps - 1))
-        set_lr(0, lr / learning_rate)
-        loss, _ = micro_steps(0, batch(i, 0))
-        for opt in optimizers:
-            scaler.step(opt)
-            opt.zero_grad(set_to_none=True)
-        scaler.update()
-        avg = 0.98 * avg + 0.02 * all_mean(loss).item()
-        lrs.append(lr)
-        losses.append(avg / (1 - 0.98 ** (i + 1)))  # bias-corrected EMA
-        if not math.isfinite(losses[-1]) or losses[-1] > 4 * min(losses):
-            break
-    raw_model.load_state_dict(saved[0])
-    for opt, sd in zip(optimizers, saved[1]):
-        opt.load_state_dict(sd)
-    slopes = [(losses[i + 1] - losses[i - 1]) / math.log(lrs[i + 1] / lrs[i - 1]) for i in range(1, len(lrs) - 1)]
-    best = lrs[1 + min(range(len(slopes)), key=slopes.__getitem__)]
-    if master:
-        write_svg(os.path.join(out_dir, 'lr_find.svg'), lrs, losses, best)
-        print(f"lr_find: suggested learning_rate {best:.2e} (steepest descent); curve in {out_dir}/lr_find.svg")
-    return best
-
-
-def write_svg(path, xs, ys, mark, W=480, H=300):
-    """The LR finder's curve: smoothed loss against log10(LR), the suggestion in red."""
-    lx, ys = [math.log10(x) for x in xs], [min(y, 4 * min(ys)) for y in ys]
-    px = lambda v: 40 + (v - lx[0]) / (lx[-1] - lx[0]) * (W - 60)
-    py = lambda v: H - 30 - (v - min(ys)) / (max(ys) - min(ys) + 1e-12) * (H - 60)
-    points = ' '.join(f'{px(a):.1f},{py(b):.1f}' for a, b in zip(lx, ys))
-    with open(path, 'w') as f:
-        f.write(f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}"><rect width="100%" height="100%" fill="white"/>'
-                f'<polyline fill="none" stroke="black" points="{points}"/><line x1="{px(math.log10(mark)):.1f}" '
-                f'x2="{px(math.log10(mark)):.1f}" y1="20" y2="{H - 30}" stroke="red"/><text x="45" y="15" font-size="11">'
-                f'smoothed loss vs LR from {xs[0]:.0e} to {xs[-1]:.0e} (log scale); red: suggested {mark:.1e}</text></svg>')
-
-
-def auto_batch_size(try_batch, start):
-    """The largest batch size <= start (halving) for which try_batch(b) runs without OOM."""
-    for b in (start >> i for i in range(start.bit_length())):
-        try:
-            return try_batch(b) or b
-        except torch.OutOfMemoryError:
-            torch.cuda.empty_cache()
-    return 1
-
-
-if auto_batch and device_type != 'cuda':
-    print("auto_batch: does nothing on CPU (there is no memory limit to probe); keeping batch_size")
-elif auto_batch:
-    tokens_wanted = batch_size * gradient_accumulation_steps
-
-    def try_batch(b):
-        x = torch.randint(enc.n_vocab, (b, block_size), device=device)
-        with ctx:
-            manager(raw_model, {'x': x, 'y': x}, 1.0)[0].backward()
-        raw_model.zero_grad(set_to_none=True)
-    fits = torch.tensor(auto_batch_size(try_batch, 2 ** math.floor(math.log2(tokens_wanted))), device=device)
-    if ddp:  # every rank must run the same number of micro-steps
-        dist.all_reduce(fits, op=dist.ReduceOp.MIN)
-    batch_size = fits.item()
-    gradient_accumulation_steps = max(1, tokens_wanted // batch_size)
-    if loader:
-        loader.B = batch_size
-    print(f"auto_batch: batch_size={batch_size} x gradient_accumulation_steps={gradient_accumulation_steps}")
-if lr_find and state is None:  # every group's LR scales with the suggestion
-    found = find_lr()
+def lr_probe(optimizers, i, lr):
+    """The LR range test's probe: one optimizer step at LR lr on step i's batches; its loss."""
+    set_lr(optimizers, lr / learning_rate)
+    loss, _ = micro_steps(0, batch(i, 0))
     for opt in optimizers:
-        for g in opt.param_groups:
-            g['base_lr'] *= found / learning_rate
+        scaler.step(opt)
+        opt.zero_grad(set_to_none=True)
+    scaler.update()
+    return all_mean(loss).item()
+
+
+if lr_find and state is None:  # on throwaway optimizers; the model is put back afterwards
+    saved = {k: v.clone() for k, v in raw_model.state_dict().items()}
+    probe = new_optimizers()
+    tried, losses, found = lr_range_test(lambda i, lr: lr_probe(probe, i, lr))
+    raw_model.load_state_dict(saved)
+    if master:
+        write_svg(os.path.join(out_dir, 'lr_find.svg'), tried, losses, found)
+        print(f"lr_find: suggested learning_rate {found:.2e} (steepest descent); curve in {out_dir}/lr_find.svg")
     learning_rate, min_lr = found, min_lr * found / learning_rate
+    optimizers = new_optimizers()
 
 # the training loop
 commit = subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True, cwd=os.path.dirname(
@@ -565,7 +468,10 @@ t_start = t_last = time.time()
 tokens_seen, nan_run = step * tokens_per_step, 0
 b = batch(step, 0)
 while step < max_steps:
-    lrs = set_lr(step)
+    lrs = set_lr(optimizers, lr_factor(step, max_steps, warmup_steps, schedule, min_lr / learning_rate, decay_frac))
+    if schedule == 'two_stage' and step >= max_steps // 2:  # BitNet b1.58's second stage: no weight decay
+        for g in (g for opt in optimizers for g in opt.param_groups):
+            g['weight_decay'] = 0.0
     if lambda_warmup:
         set_lambda(raw_model, min(1.0, step / (lambda_warmup * max_steps)))
     train_loss, metrics = micro_steps(step, b)

@@ -1,6 +1,5 @@
 """The training loop's promises, checked with real processes: exact resume after SIGKILL,
 crash-safe checkpoints, DDP and ZeRO-1 equivalence, Muon's groups, ZClip, and the guards."""
-import ast
 import json
 import math
 import os
@@ -13,37 +12,29 @@ import time
 import pytest
 import torch
 
+from optim import ZClip, auto_batch_size, lr_factor, lr_range_test, param_groups
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ['--n_layer=2', '--n_embd=32', '--n_head=2', '--n_kv_head=1', '--intermediate_size=64', '--batch_size=4',
         '--block_size=32', '--eval_iters=2', '--log_interval=1', '--sample_tokens=0', '--warmup_steps=2',
         '--eval_interval=4']
-# runs train.py in this process after patching the library: faults are injected from outside the code
-INJECT = '''
-import runpy, sys, time, torch, objectives
-calls = [0]
-ce = objectives.CrossEntropy.loss
-def loss(self, batch, s, t):
-    calls[0] += 1
-    out = ce(self, batch, s, t)
-    return out * float('nan') if calls[0] in {nan} else out * 1000 if calls[0] in {spike} else out
-objectives.CrossEntropy.loss = loss
-save = torch.save
-def slow_save(*a, **k):
-    time.sleep({save_delay})
-    return save(*a, **k)
-torch.save = slow_save
-sys.argv = ['train.py'] + sys.argv[1:]
-runpy.run_path('train.py', run_name='__main__')
-'''
 
 
 def command(args, nan=(), spike=(), save_delay=0.0):
-    code = INJECT.format(nan=set(nan) or 'set()', spike=set(spike) or 'set()', save_delay=save_delay)
-    return [sys.executable, '-c', code, *TINY, *args]
+    """`python train.py tests/faults.py ...`: a real run, with faults injected by that config file."""
+    env = {'FAULT_NAN': ','.join(map(str, nan)), 'FAULT_SPIKE': ','.join(map(str, spike)),
+           'FAULT_SAVE_DELAY': str(save_delay)}
+    return [sys.executable, 'train.py', 'tests/faults.py', *TINY, *args], {**os.environ, **env}
 
 
 def run(args, **inject):
-    return subprocess.run(command(args, **inject), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    cmd, env = command(args, **inject)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def start(args, **inject):
+    cmd, env = command(args, **inject)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def log(out_dir):
@@ -100,8 +91,7 @@ def test_resume_after_sigkill_is_bit_exact(tmp_path, variant, teacher_dir, shard
     assert r.returncode == 0, r.stderr
 
     killed = str(tmp_path / 'killed')
-    proc = subprocess.Popen(command([*args, f'--out_dir={killed}']), cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = start([*args, f'--out_dir={killed}'])
     wait_for(os.path.join(killed, 'ckpt_0000004'), proc)
     time.sleep(random.uniform(0, 0.5))  # somewhere after that checkpoint
     proc.send_signal(signal.SIGKILL)
@@ -123,8 +113,7 @@ def test_resume_after_sigkill_is_bit_exact(tmp_path, variant, teacher_dir, shard
 def test_sigkill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
     out = str(tmp_path / 'out')
     args = ['--max_steps=8', '--ckpt_interval=2', f'--out_dir={out}']
-    proc = subprocess.Popen(command(args, save_delay=1.0), cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = start(args, save_delay=1.0)
     wait_for(os.path.join(out, 'ckpt_0000002'), proc)
     wait_for(os.path.join(out, '.tmp_ckpt_0000004'), proc)  # the next save has begun: kill it mid-write
     time.sleep(0.3)
@@ -161,17 +150,8 @@ def test_ddp_and_zero1_match_a_single_process(tmp_path):
     assert r.returncode == 0, r.stderr
 
 
-def script_function(name):
-    """Take one function or class out of train.py (a script, not importable) to unit-test it."""
-    tree = ast.parse(open(os.path.join(ROOT, 'train.py')).read())
-    node = next(n for n in tree.body if getattr(n, 'name', None) == name)
-    scope = {'torch': torch, 'math': math, 'grad_clip': 1.0}
-    exec(compile(ast.Module([node], []), 'train.py', 'exec'), scope)
-    return scope[name]
-
-
 def test_zclip_on_a_scripted_sequence_of_norms():
-    zclip = script_function('ZClip')(z_thresh=2.5, alpha=0.97, warmup=4)
+    zclip = ZClip(z_thresh=2.5, alpha=0.97, warmup=4, max_norm=1.0)
     assert [zclip.target(g) for g in (0.5, 0.7, 1.5, 0.6)] == [0.5, 0.7, 1.0, 0.6]  # warmup: fixed clip at 1.0
     mu = (0.5 + 0.7 + 1.5 + 0.6) / 4  # ... while the raw norms seed the statistics
     var = sum((g - mu) ** 2 for g in (0.5, 0.7, 1.5, 0.6)) / 4
@@ -202,8 +182,28 @@ def test_injected_spike_is_clipped_and_logged(tmp_path):
     assert not any('zclip' in recs[s] for s in range(26, 30))
 
 
+def test_lr_schedules_by_hand():
+    # 10 warmup steps of 100, floor 0.1: warmup is (step + 1) / 10, then the decay over the other 90 steps
+    f = lambda step, schedule: lr_factor(step, 100, 10, schedule, floor=0.1, decay_frac=0.2)
+    assert [f(s, 'cosine') for s in (0, 4, 9)] == [0.1, 0.5, 1.0]
+    assert f(55, 'cosine') == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
+    assert f(100, 'cosine') == pytest.approx(0.1) and f(55, 'linear') == pytest.approx(1 - 0.9 * 0.5)
+    assert f(50, 'constant') == 1.0 and f(79, 'wsd') == 1.0 and f(90, 'wsd') == pytest.approx(1 - 0.9 * 0.5)
+    assert f(49, 'two_stage') == pytest.approx(f(49, 'cosine')) and f(50, 'two_stage') == pytest.approx(f(50, 'cosine') / 2)
+    with pytest.raises(ValueError, match='schedule='):
+        f(0, 'cosin')
+
+
+def test_lr_range_test_suggests_the_steepest_descent():
+    # a loss that falls fastest (per log10 LR) at 1e-3 and blows up past 1e-1
+    loss = lambda lr: 5.0 - math.tanh(math.log10(lr) + 3) + (100.0 if lr > 0.1 else 0.0)
+    lrs, losses, best = lr_range_test(lambda i, lr: loss(lr))
+    assert lrs[0] == 1e-8 and lrs[-1] > 0.1 and len(lrs) < 100  # stopped at the blow-up
+    assert 1e-3 < best < 2e-2  # the smoothing (EMA, 0.98) lags behind the true steepest point
+
+
 def test_auto_batch_size_with_a_fake_memory_limit():
-    auto = script_function('auto_batch_size')
+    auto = auto_batch_size
     tried = []
 
     def try_batch(b):  # pretend that 20 sequences fill the GPU
@@ -220,9 +220,7 @@ def test_muon_param_groups(tmp_path):
     from model import ModelConfig, Transformer
     model = Transformer(ModelConfig(vocab_size=64, n_layer=1, n_embd=32, n_head=2, n_kv_head=1,
                                     intermediate_size=48, tie_embeddings=False, bitnet=True))
-    fn = script_function('param_groups')
-    fn.__globals__.update(learning_rate=1e-3, embed_lr=0.0, head_lr=5e-4, scalar_lr=2e-3, weight_decay=0.1)
-    groups = {g['name']: g for g in fn(model)}
+    groups = {g['name']: g for g in param_groups(model, 1e-3, 0.1, embed_lr=0.0, head_lr=5e-4, scalar_lr=2e-3)}
     names = {id(p): n for n, p in model.named_parameters()}
     listed = {k: sorted(names[id(p)] for p in g['params']) for k, g in groups.items()}
     assert listed['hidden'] == sorted(f'layers.0.{m}.{p}_proj.weight' for m, ps in
