@@ -136,6 +136,8 @@ if ptdtype is None:
 ctx = nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type, dtype=ptdtype)
 torch.manual_seed(seed + rank)
 os.makedirs(out_dir, exist_ok=True)
+commit = subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True, cwd=os.path.dirname(
+    os.path.abspath(__file__))).stdout.strip() if shutil.which('git') else ''  # saved with every checkpoint
 
 def train_loader():
     """The loader of the training shards, at the start of its order."""
@@ -157,17 +159,11 @@ try:
     pairs = preference_pairs(dpo_data, enc, block_size, eos_id(enc)) if dpo_data else None
 except (OSError, ValueError, KeyError) as e:
     sys.exit(f"error: data: {e}")
-loader_state = None
-
-
 def batch(step, micro, data=None):
     """This rank's micro-batch `micro` of optimizer step `step`: {'x', 'y'} (and DPO's 'pairs')."""
-    global loader_state
     index = micro * world_size + rank  # this rank's slice of the step's global batch
     rng = torch.Generator().manual_seed((seed * 1_000_003 + step) * 65_537 + index)
     if data is None and loader:
-        if micro == 0:
-            loader_state = loader.state_dict()  # where a run resumed at this step starts reading
         b = loader.next_batch()
     else:
         b = dict(zip('xy', get_batch(train_data if data is None else data, batch_size, block_size, rng)))
@@ -388,10 +384,10 @@ def remix():
     return {f'mix_{n}': w for n, w in loader.reweight(scores, remix_eta, remix_floor).items()}
 
 
-def rng_states():
-    """The RNG state of every rank, gathered on all of them (rank 0 saves it)."""
+def rng_states(data_state):
+    """The RNG state and data position of every rank, gathered on all of them (rank 0 saves them)."""
     mine = {'cpu': torch.get_rng_state(), 'cuda': torch.cuda.get_rng_state() if device_type == 'cuda' else None,
-            'data': loader_state}
+            'data': data_state}
     every = [mine] * world_size
     if ddp:
         dist.all_gather_object(every, mine)
@@ -446,8 +442,6 @@ if lr_find and state is None:  # on throwaway optimizers; the model is put back 
     optimizers = new_optimizers()
 
 # the training loop
-commit = subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True, cwd=os.path.dirname(
-    os.path.abspath(__file__))).stdout.strip() if shutil.which('git') else ''
 try:
     wandb = __import__('wandb') if wandb_log and master else None
 except ImportError:
@@ -466,6 +460,7 @@ if master:
 start_step = step_last = step
 t_start = t_last = time.time()
 tokens_seen, nan_run = step * tokens_per_step, 0
+data_state = loader.state_dict() if loader else None
 b = batch(step, 0)
 while step < max_steps:
     lrs = set_lr(optimizers, lr_factor(step, max_steps, warmup_steps, schedule, min_lr / learning_rate, decay_frac))
@@ -488,43 +483,47 @@ while step < max_steps:
     step += 1
     tokens_seen += tokens_per_step
     mix = remix() if remix_interval and step % remix_interval == 0 else {}  # before the next batch is drawn
+    data_state = loader.state_dict() if loader else None  # where the next step reads: what a resume needs
     b = batch(step, 0)
-
     last = step == max_steps
-    is_eval = step % eval_interval == 0 or last
-    improved = stop = False
-    if step % log_interval == 0 or is_eval or skipped or zclipped or mix:
+
+    # evaluate: the val loss (and samples), the best one so far, early stopping
+    rec, improved, stop = {}, False, False
+    if step % eval_interval == 0 or last:
+        rec['val_loss'] = evaluate()
+        if eval_prompts and master:
+            rec['samples'] = continuations(eval_prompts, 48)  # read them beside the losses
+        improved = rec['val_loss'] < best_val - min_delta
+        best_val, best_step, bad_evals = (rec['val_loss'], step, 0) if improved else (best_val, best_step, bad_evals + 1)
+        stop = bool(patience) and bad_evals >= patience
+        if not improved:
+            rec['early_stop'] = stop
+
+    # log: one JSON line per logged step, and a line on the console
+    if step % log_interval == 0 or rec or skipped or zclipped or mix:
         now = time.time()
         tok_per_s = tokens_per_step * (step - step_last) / (now - t_last)
-        rec = {'step': step, 'loss': all_mean(train_loss).item(), 'grad_norm': grad_norm.item(), **lrs,
-               'tokens': tokens_seen, 'tok_per_s': round(tok_per_s), 'time_s': round(now - t_start, 2)}
+        rec.update({'step': step, 'loss': all_mean(train_loss).item(), 'grad_norm': grad_norm.item(), **lrs,
+                    'tokens': tokens_seen, 'tok_per_s': round(tok_per_s), 'time_s': round(now - t_start, 2)})
         rec.update({k: all_mean(v).item() if torch.is_tensor(v) else v for k, v in metrics.items()}, **mix)
         rec.update({k: v for k, v in (('skipped', nan_run), ('zclip', zclipped)) if v})  # non-finite run, ZClip's clip
         if device_type == 'cuda':
             rec['mfu'] = raw_model.flops_per_token(block_size) * tok_per_s / (world_size * peak_flops)
             rec['peak_mem_gib'] = torch.cuda.max_memory_allocated() / 2**30
-        if is_eval:
-            rec['val_loss'] = evaluate()
-            if eval_prompts and master:
-                rec['samples'] = continuations(eval_prompts, 48)  # read them beside the losses
-            improved = rec['val_loss'] < best_val - min_delta
-            if improved:
-                best_val, best_step, bad_evals = rec['val_loss'], step, 0
-            else:
-                bad_evals += 1
-                stop = patience and bad_evals >= patience
-                rec['early_stop'] = bool(stop)
         if master:
             log.write(json.dumps(rec) + '\n')
             log.flush()
             if wandb:
                 wandb.log(rec, step=step)
             eta = (now - t_start) / (step - start_step) * (max_steps - step)
-            print(f"step {step}/{max_steps} | loss {rec['loss']:.4f}" + (f" | val {rec['val_loss']:.4f}" if is_eval else '') + f" | lr {lrs['lr_hidden']:.2e} | "
+            val = f" | val {rec['val_loss']:.4f}" if 'val_loss' in rec else ''
+            print(f"step {step}/{max_steps} | loss {rec['loss']:.4f}{val} | lr {lrs['lr_hidden']:.2e} | "
                   f"{tok_per_s / 1e3:.1f}k tok/s | eta {eta:.0f}s" + (' | skipped (non-finite)' if skipped else ''))
         t_last, step_last = time.time(), step
+
+    # checkpoint: on a better val loss, at the end, on early stopping, and every ckpt_interval steps
     if improved or last or stop or (ckpt_interval and step % ckpt_interval == 0):
-        rngs, opt_states = rng_states(), optimizer_states()  # collectives: every rank takes part
+        rngs, opt_states = rng_states(data_state), optimizer_states()  # collectives: every rank takes part
         if master:
             save_checkpoint(step, rngs, opt_states)
     if stop:
