@@ -202,25 +202,26 @@ class Transformer(nn.Module):
     def num_params(self):
         return sum(p.numel() for p in self.parameters())  # tied weights are counted once
 
-    def forward(self, idx, cache=None, pos=0, causal=True, hidden=False, qkv_layer=None):
-        """Logits (B, T, vocab). Distillation asks for more: with hidden=True or a qkv_layer it
-        returns (logits, {'hidden': [each block's output], 'qkv': [q, k, v] of that layer})."""
+    def forward(self, idx, cache=None, pos=0, causal=True, feats=None):
+        """Logits (B, T, vocab), always. Distillation asks for more through `feats`, a dict filled in
+        place: feats['hidden'] (a list) gets every block's output, feats['qkv'] (a list) gets the q, k
+        and v projections of block feats['qkv_layer']."""
         B, T = idx.shape
         if pos + T > self.config.max_seq_len:
             raise ValueError(f"sequence of {pos + T} tokens exceeds max_seq_len={self.config.max_seq_len}")
         x = self.embed_tokens(idx)  # (B, T, C)
         cos, sin = self.cos[pos:pos + T].to(x.dtype), self.sin[pos:pos + T].to(x.dtype)
-        feats = {'hidden': [], 'qkv': []}
+        feats = {} if feats is None else feats
         for i, block in enumerate(self.layers):
-            args = (x, cos, sin, None if cache is None else cache[i], pos, causal, feats['qkv'] if i == qkv_layer else None)
+            qkv = feats['qkv'] if i == feats.get('qkv_layer') else None
+            args = (x, cos, sin, None if cache is None else cache[i], pos, causal, qkv)
             if self.grad_ckpt and self.training:  # keep only block inputs; recompute the rest in backward
                 x = torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)
             else:
                 x = block(*args)
-            if hidden:
+            if 'hidden' in feats:
                 feats['hidden'].append(x)
-        logits = self.lm_head(self.norm(x))  # (B, T, vocab)
-        return (logits, feats) if hidden or qkv_layer is not None else logits
+        return self.lm_head(self.norm(x))  # (B, T, vocab)
 
     def flops_per_token(self, T):
         # 6 flops per parameter per token (forward + backward) plus attention's QK^T and AV

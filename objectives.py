@@ -9,7 +9,7 @@ teacher) once, hands each active objective what it asked for, and sums the weigh
 losses. The `CurriculumScheduler` says how much each objective weighs at each point of
 training; an objective at weight 0 costs nothing, not even a forward pass.
 
-The losses (REFERENCE.md section 4):
+The losses:
 - `ce`         next-token cross-entropy on counted tokens (continued pretraining, SFT)
 - `kd`         logits distillation, forward KL at temperature T, times T^2 (Hinton et al. 2015);
                dense, or sparse from a remote teacher's top-k logprobs
@@ -19,8 +19,10 @@ The losses (REFERENCE.md section 4):
 - `lrc`        low-rank correction: the student's block outputs regress onto the teacher's
 - `dpo`        direct preference optimisation (Rafailov et al. 2023), the teacher as reference
 
-This file needs only torch (and requests for the remote teacher) and a model that is
-called as model(idx, causal=..., hidden=..., qkv_layer=...) like model.py's Transformer.
+This file needs only torch (and requests for the remote teacher) and a model called like
+model.py's Transformer: model(idx, causal=..., feats=...) returns the logits and fills `feats`.
+Both teachers answer teacher(x, y, hidden, qkv_layer) with a dict: the local one its logits and
+features, the remote one its top-k logprobs.
 """
 import json
 import math
@@ -40,9 +42,6 @@ class Objective:
     needs_teacher = False
     own_forward = False
     features = {}  # e.g. {'hidden': True, 'qkv_layer': 2}
-
-    def preprocess(self, batch):
-        return batch
 
     def loss(self, batch, s, t):
         """s, t: {'logits', 'hidden', 'qkv'} of student and teacher. Returns a scalar."""
@@ -198,7 +197,7 @@ class DPO(Objective):
         n = len(x_w)
         x, y = torch.cat((x_w, x_l)), torch.cat((y_w, y_l))  # one forward for both
         pi = sequence_logprob(model(x), y)
-        ref = sequence_logprob(teacher(x)['logits'], y)
+        ref = sequence_logprob(teacher(x, y)['logits'], y)
         return dpo_loss(pi[:n], pi[n:], ref[:n], ref[n:], self.beta)
 
 
@@ -256,6 +255,16 @@ class CurriculumScheduler:
         return {n: (1 - a) * here.get(n, 0.0) + a * after.get(n, 0.0) for n in self.names}
 
 
+def run_model(model, x, hidden=False, qkv_layer=None):
+    """One forward pass: {'logits'}, plus every block's output ('hidden') and the q, k, v of one
+    block ('qkv') when asked for."""
+    feats = {'hidden': []} if hidden else {}
+    if qkv_layer is not None:
+        feats.update(qkv=[], qkv_layer=qkv_layer)
+    logits = model(x, feats=feats)
+    return {'logits': logits, **{k: feats[k] for k in ('hidden', 'qkv') if k in feats}}
+
+
 class LocalTeacher:
     """A frozen model on its own device and dtype: eval mode, no gradients."""
 
@@ -265,10 +274,9 @@ class LocalTeacher:
         self.n_layer = len(model.layers)
 
     @torch.no_grad()
-    def __call__(self, x, hidden=False, qkv_layer=None):
-        out = self.model(x.to(self.device), hidden=hidden, qkv_layer=qkv_layer)
-        logits, feats = out if isinstance(out, tuple) else (out, {})
-        return {'logits': logits.to(x.device), **{k: [v.to(x.device) for v in vs] for k, vs in feats.items()}}
+    def __call__(self, x, y, hidden=False, qkv_layer=None):
+        out = run_model(self.model, x.to(self.device), hidden, qkv_layer)
+        return {k: v.to(x.device) if torch.is_tensor(v) else [t.to(x.device) for t in v] for k, v in out.items()}
 
 
 class RemoteTeacher:
@@ -299,7 +307,8 @@ class RemoteTeacher:
         raise RuntimeError(f"teacher server {self.url} failed after {self.retries + 1} tries ({error}); "
                            f"check that vLLM serves {self.model!r} there, with --max-logprobs >= {self.top_k}")
 
-    def __call__(self, x, y):
+    def __call__(self, x, y, hidden=False, qkv_layer=None):
+        """Top-k logprobs only (the manager refuses objectives that want features from a server)."""
         B, T = x.shape
         ids = torch.zeros(B, T, self.top_k, dtype=torch.long)
         logprobs = torch.full((B, T, self.top_k), -float('inf'))
@@ -313,9 +322,9 @@ class RemoteTeacher:
 
 
 class ObjectiveManager:
-    """Runs one training micro-step's objectives: the preprocess chain, one shared student
-    forward with the union of the features the active objectives want, one teacher forward
-    if any of them needs it, each own-forward objective, and the weighted sum."""
+    """Runs one training micro-step's objectives: one shared student forward with the union of
+    the features the active objectives want, one teacher forward if any of them needs it, each
+    own-forward objective, and the weighted sum."""
 
     def __init__(self, objectives, curriculum, teacher=None, n_layer=None):
         self.objectives, self.curriculum, self.teacher = objectives, curriculum, teacher
@@ -334,8 +343,6 @@ class ObjectiveManager:
     def __call__(self, model, batch, progress):
         weights = self.curriculum.weights(progress)
         active = {n: o for n, o in self.objectives.items() if weights.get(n, 0.0) > 0}
-        for obj in active.values():
-            batch = obj.preprocess(batch)
         if not active:
             raise ValueError(f"no objective weighs more than 0 at {progress:.0%} of training; fix the curriculum")
         shared = [o for o in active.values() if not o.own_forward]
@@ -343,13 +350,10 @@ class ObjectiveManager:
         hidden, layer = want.get('hidden', False), want.get('qkv_layer')
         losses = {}
         if shared:
-            out = model(batch['x'], hidden=hidden, qkv_layer=layer)
-            s = {'logits': out[0], **out[1]} if isinstance(out, tuple) else {'logits': out}
+            s = run_model(model, batch['x'], hidden, layer)
             t = None
-            if isinstance(self.teacher, RemoteTeacher) and any(o.needs_teacher for o in shared):
-                t = self.teacher(batch['x'], batch['y'])
-            elif any(o.needs_teacher for o in shared):
-                t = self.teacher(batch['x'], hidden=hidden, qkv_layer=want.get('teacher_qkv_layer'))
+            if any(o.needs_teacher for o in shared):
+                t = self.teacher(batch['x'], batch['y'], hidden, want.get('teacher_qkv_layer'))
             losses = {n: o.loss(batch, s, t) for n, o in active.items() if not o.own_forward}
         for n, o in active.items():
             if o.own_forward:

@@ -153,7 +153,7 @@ def test_dpo_closed_form():
     lp = F.log_softmax(logits, -1)
     pi_w, pi_l = lp[0, 1, 1] + lp[0, 2, 2], lp[1, 1, 3] + lp[1, 2, 3]
     ref_logits = torch.zeros(2, 3, V)       # a uniform reference: log(1/5) per token
-    teacher = lambda x: {'logits': ref_logits}
+    teacher = lambda x, y: {'logits': ref_logits}
     got = DPO(beta=0.5).run(Recorder(logits), teacher, {'pairs': (x, y_w, x, y_l)})
     ref = 2 * math.log(1 / V)
     assert abs(got.item() + F.logsigmoid(0.5 * ((pi_w - ref) - (pi_l - ref))).item()) < 1e-5
@@ -282,7 +282,7 @@ def test_remote_teacher_matches_local_teacher_at_every_position():
         x = torch.randint(40, (2, 10), generator=torch.Generator().manual_seed(0))
         y = torch.roll(x, -1, 1)
         remote = RemoteTeacher(url, 'tiny', top_k=5)(x, y)
-        local = F.log_softmax(LocalTeacher(model)(x)['logits'], -1).topk(5)
+        local = F.log_softmax(LocalTeacher(model)(x, y)['logits'], -1).topk(5)
         assert torch.equal(remote['topk_ids'], local.indices)  # position i of both: the next token's top-5
         assert torch.allclose(remote['topk_logprobs'], local.values, atol=1e-5)
     finally:
