@@ -9,9 +9,9 @@ printable characters (GPT-2's byte-to-unicode table, undone below), its merges c
 order of their ids (so an id is a rank), and its pre-tokenizer is a regex. The offline
 encoding is the degenerate case: no merges, one token per byte.
 
-Downloads are plain HTTPS GETs of hub files (REFERENCE.md section 6): redirects followed,
-a cut transfer resumed with a Range header, the file written under a temporary name and
-renamed once it matches the sha256 that the hub sends for large files. Under DDP only
+Downloads are plain HTTPS GETs of hub files, `{endpoint}/{repo}/resolve/{revision}/{file}`:
+redirects followed, a cut transfer resumed with a Range header, the file written under a
+temporary name and renamed once it matches the sha256 that the hub sends for large files. Under DDP only
 local rank 0 downloads; the other ranks wait for the file to appear.
 
 Token shards use llm.c's format, so modded-nanogpt's FineWeb shards load as they are: a
@@ -557,28 +557,22 @@ class _Stream:
 class Loader:
     """Batches from one folder of shards, or from a mixture {name: (folder, weight)}; each row
     comes from a source drawn with the current weights. A batch is a dict: x, y (y = IGNORE
-    where a loss mask says the target does not count), `source` (B,) and, when eos is given,
-    per-token `doc` ids and `pos` positions that restart at each EOS, so that a model can
-    keep attention and RoPE positions within documents of a packed window."""
+    where a loss mask says the target does not count) and `source` (B,). Documents are packed:
+    attention crosses EOS, and the model learns that what follows EOS is a new document."""
 
-    def __init__(self, sources, batch_size, block_size, split='train', rank=0, world_size=1, seed=0, eos=None):
+    def __init__(self, sources, batch_size, block_size, split='train', rank=0, world_size=1, seed=0):
         sources = {'data': (sources, 1.0)} if isinstance(sources, str) else sources
         self.names = list(sources)
         self.streams = [_Stream(folder, split, block_size, rank, world_size, seed) for folder, _ in sources.values()]
         self.weights = np.array([w for _, w in sources.values()], float) / sum(w for _, w in sources.values())
-        self.B, self.T, self.rank, self.seed, self.eos, self.count = batch_size, block_size, rank, seed, eos, 0
+        self.B, self.T, self.rank, self.seed, self.count = batch_size, block_size, rank, seed, 0
 
     def _batch(self, picks):
         rows = [self.streams[k].take() for k in picks]
         xy = torch.from_numpy(np.stack([t for t, _ in rows]).astype(np.int64))
         counted = torch.from_numpy(np.stack([np.ones(self.T + 1, bool) if m is None else m.astype(bool) for _, m in rows]))
         x, y = xy[:, :-1], xy[:, 1:].masked_fill(~counted[:, 1:], IGNORE)  # (B, T) each
-        batch = {'x': x, 'y': y, 'source': torch.tensor(picks)}
-        if self.eos is not None:
-            starts, idx = x == self.eos, torch.arange(self.T).expand_as(x)
-            batch['doc'] = starts.cumsum(1)
-            batch['pos'] = idx - torch.where(starts, idx, 0).cummax(1).values
-        return batch
+        return {'x': x, 'y': y, 'source': torch.tensor(picks)}
 
     def next_batch(self):
         rng = np.random.default_rng([self.seed, self.rank, self.count])  # seeded by the count: nothing else to save

@@ -326,29 +326,20 @@ def test_loader_resumes_exactly(tmp_path):
     with open(tmp_path / 'chat.jsonl', 'w') as f:
         f.writelines(json.dumps(r) + '\n' for r in rows)
     data.prepare([str(tmp_path / 'chat.jsonl')], str(tmp_path / 'c'), 'bytes', 'chat', val_every=10, shard_tokens=700, workers=1)
-    a = mixture(str(tmp_path), seed=5, eos=256)
+    a = mixture(str(tmp_path), seed=5)
     for _ in range(7):
         a.next_batch()
     a.reweight({'uniq': 0.5, 'chat': -0.5})
     torch.save(a.state_dict(), tmp_path / 'state.pt')  # as train.py would, in its checkpoint
     straight = [a.next_batch() for _ in range(40)]
-    b = mixture(str(tmp_path), seed=5, eos=256)
+    b = mixture(str(tmp_path), seed=5)
     b.load_state_dict(torch.load(tmp_path / 'state.pt', weights_only=True))
     resumed = [b.next_batch() for _ in range(40)]
     assert max(s.pos[0] for s in a.streams) >= 2  # epochs wrapped after the save
     for s, r in zip(straight, resumed):
         assert s.keys() == r.keys() and all(torch.equal(s[k], r[k]) for k in s)
-    fresh = mixture(str(tmp_path), seed=5, eos=256)
+    fresh = mixture(str(tmp_path), seed=5)
     assert not all(torch.equal(s['x'], f['x']) for s, f in zip(straight, (fresh.next_batch() for _ in range(40))))
-
-
-def test_document_ids_and_positions_restart_at_eos(tmp_path):
-    tokens = [5, 5, 0, 7, 7, 7, 0, 9, 0, 8, 8, 8, 8, 8, 8, 8, 8]  # 0 plays EOS
-    data.write_shard(str(tmp_path / 'train_000000.bin'), tokens, 1)
-    b = data.Loader(str(tmp_path), 1, 16, eos=0).next_batch()
-    assert b['x'][0].tolist() == tokens[:16]
-    assert b['doc'][0].tolist() == [0, 0, 1, 1, 1, 1, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3]
-    assert b['pos'][0].tolist() == [0, 1, 0, 1, 2, 3, 0, 1, 0, 1, 2, 3, 4, 5, 6, 7]
 
 
 def test_loader_errors(tmp_path):
