@@ -25,7 +25,6 @@ ternary linears) BitNet b1.58 2B4T:
 import json
 import math
 import os
-import re
 from dataclasses import dataclass
 
 import torch
@@ -261,10 +260,7 @@ class Transformer(nn.Module):
     def from_pretrained(cls, path, dtype=torch.float32):
         """Load a Hugging Face Llama or BitNet checkpoint directory (online: latent weights; offline:
         packed, loaded frozen): config.json plus model.safetensors, or shards listed in
-        model.safetensors.index.json. A hub id (owner/name) is downloaded first, by data.py."""
-        if not os.path.isdir(path) and re.fullmatch(r'[\w.-]+/[\w.-]+', path):
-            from data import resolve_model  # only for hub ids: the model itself needs no network code
-            path = resolve_model(path)
+        model.safetensors.index.json. (A hub id is fetched into a directory by data.resolve_model.)"""
         if not os.path.isfile(os.path.join(path, 'config.json')):
             raise FileNotFoundError(f"{path!r} is not a checkpoint directory (no config.json in it)")
         with open(os.path.join(path, 'config.json')) as f:

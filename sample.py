@@ -16,7 +16,7 @@ import time
 import torch
 
 from configurator import configure
-from data import chat_prompt, chat_template, get_tokenizer
+from data import chat_prompt, chat_template, get_tokenizer, resolve_model
 from model import Transformer
 
 ckpt = 'out'
@@ -39,6 +39,7 @@ if os.path.isdir(ckpt) and not os.path.exists(os.path.join(ckpt, 'config.json'))
         sys.exit(f"error: no checkpoint in {ckpt!r}; train one with python train.py or pass --ckpt=DIR")
     ckpt = os.path.join(ckpt, found[-1])
 try:
+    ckpt = resolve_model(ckpt)  # a hub id is fetched into the cache first
     model = Transformer.from_pretrained(ckpt).to(device).eval()
 except (OSError, ValueError, RuntimeError) as e:
     sys.exit(f"error: cannot load {ckpt!r}: {e}")

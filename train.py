@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bitlinear import set_lambda
 from configurator import configure
-from data import Loader, get_batch, get_tokenizer, eos_id, offline_corpus, setup_data, source_scores
+from data import Loader, eos_id, get_batch, get_tokenizer, offline_corpus, resolve_model, setup_data, source_scores
 from model import ModelConfig, Transformer
 from objectives import (IGNORE, OBJECTIVES, CurriculumScheduler, LocalTeacher, ObjectiveManager, RemoteTeacher, ce_loss,
                         preference_pairs)
@@ -199,7 +199,7 @@ def load(src):
     if not os.path.exists(os.path.join(src, 'config.json')) and checkpoints(src):
         src = checkpoints(src)[-1]
     try:
-        return Transformer.from_pretrained(src), src
+        return Transformer.from_pretrained(resolve_model(src)), src
     except (OSError, ValueError, RuntimeError) as e:
         sys.exit(f"error: cannot load {src!r}: {e}")
 

@@ -53,7 +53,7 @@ def test_train_then_resume_carries_on_step_and_lr(tmp_path):
 @pytest.mark.parametrize('args, message', [
     (['--batch_sise=4'], "error: unknown config key 'batch_sise'; did you mean --batch_size?"),
     (['--batch_size=big'], "error: batch_size must be int, got 'big' (str)"),
-    (['--init_from=/no/such/dir'], "error: cannot load '/no/such/dir': '/no/such/dir' is not a checkpoint directory"),
+    (['--init_from=/no/such/dir'], "error: cannot load '/no/such/dir': '/no/such/dir' is neither a model directory nor a hub id"),
     (['--init_from=resume', '--out_dir=/no/such/out'], "error: no checkpoint in '/no/such/out' to resume from"),
     (['no_such_config.py'], "error: config file 'no_such_config.py' not found"),
 ])
