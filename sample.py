@@ -26,7 +26,7 @@ temperature = 0.8      # 0: greedy
 top_k = 50
 chat = False           # the prompt is a user's message in the tokenizer's chat template; stop after the answer
 seed = 1337
-tokenizer = ''  # '' means the one the checkpoint was trained with
+tokenizer = ''  # '' is the checkpoint's own: its tokenizer.json, or the one it was trained with
 packed = True  # run ternary checkpoints on their 2-bit weights (False: fp latent weights, fake-quantized)
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
 config = configure({k: v for k, v in globals().items() if not k.startswith('_') and
@@ -48,9 +48,9 @@ if packed and model.config.bitnet and not model.config.packed:
 weights = dict(model.named_parameters()) | {n: b for n, b in model.named_buffers() if n.endswith(('weight', 'weight_scale'))}
 weight_mb = sum(t.nbytes for t in weights.values()) / 2**20
 state_file = os.path.join(ckpt, 'train_state.pt')
-if not tokenizer:  # the checkpoint's own: a tokenizer.json beside it, or the one it was trained with
+if not tokenizer:
     tokenizer = ckpt if os.path.exists(os.path.join(ckpt, 'tokenizer.json')) else \
-        torch.load(state_file, weights_only=True)['config']['tokenizer'] if os.path.exists(state_file) else 'bytes'
+        torch.load(state_file, weights_only=True)['tokenizer'] if os.path.exists(state_file) else 'bytes'
 try:
     enc = get_tokenizer(tokenizer)
     end = chat_template(enc)[2] if chat else ''  # the token that ends an answer (ChatML's <|im_end|>)

@@ -50,7 +50,8 @@ eval_prompts = []      # at every eval, the greedy continuation of each is logge
 wandb_log = False
 wandb_project = 'nanobitnet'
 # data
-tokenizer = 'bytes'    # 'bytes' (offline), a tiktoken name, a tokenizer.json, or a hub model id
+tokenizer = ''         # '' is the model's own (init_from's tokenizer.json), else 'bytes' (offline); or a
+                       # tiktoken name ('gpt2'), a tokenizer.json or its directory, a hub model id
 dataset = ''           # a folder of token shards (data.py); '' is the offline corpus
 data_files = {}        # {'train': [...], 'val': [...]}: paths, URLs or hf:// files that make `dataset`, once
 data_format = 'text'   # of data_files: 'text', 'jsonl', 'chat' (SFT: loss on the answers) or 'tokens' (llm.c)
@@ -139,6 +140,41 @@ os.makedirs(out_dir, exist_ok=True)
 commit = subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True, cwd=os.path.dirname(
     os.path.abspath(__file__))).stdout.strip() if shutil.which('git') else ''  # saved with every checkpoint
 
+def checkpoints(folder):
+    """Complete checkpoints in a run's folder, oldest first (saves in progress are .tmp_ckpt_*)."""
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return sorted(os.path.join(folder, n) for n in names if n.startswith('ckpt_'))
+
+
+def model_dir(src):
+    """The HF directory behind src: src itself, the latest checkpoint of a run's out_dir, or a hub
+    id fetched into the cache (data.py)."""
+    return checkpoints(src)[-1] if not os.path.exists(os.path.join(src, 'config.json')) and checkpoints(src) \
+        else resolve_model(src)
+
+
+def same_encoding(a, b):
+    """Whether two tokenizers give the same ids, on a probe of text, digits, code and unicode."""
+    probe = 'The year 2024: def f(x):\n\treturn x ** 2  # naïve café, 東京 🚀' * 2
+    return a.n_vocab == b.n_vocab and a.special_tokens_set == b.special_tokens_set and \
+        a.encode_ordinary(probe) == b.encode_ordinary(probe)
+
+
+# the model we start from and its tokenizer: the model's own (the tokenizer.json beside its weights)
+# unless one is named, which must then encode as it does; a resumed run keeps the one it started with
+if init_from == 'resume' and not checkpoints(out_dir):
+    sys.exit(f"error: no checkpoint in {out_dir!r} to resume from; train once first or set --out_dir")
+try:
+    start = None if init_from == 'scratch' else model_dir(out_dir if init_from == 'resume' else init_from)
+except OSError as e:
+    sys.exit(f"error: cannot load {init_from!r}: {e}")
+state = torch.load(os.path.join(start, 'train_state.pt'), weights_only=True) if init_from == 'resume' else None
+own = start if start and os.path.exists(os.path.join(start, 'tokenizer.json')) else None
+tokenizer_name = state['tokenizer'] if state else tokenizer or own or 'bytes'
+tokenizer_file = next((f for f in (os.path.join(tokenizer_name, 'tokenizer.json'), tokenizer_name)
+                       if os.path.isfile(f)), None)  # an HF tokenizer.json travels with every checkpoint
+
+
 def train_loader():
     """The loader of the training shards, at the start of its order."""
     return Loader(mixture or dataset, batch_size, block_size, 'train', rank, world_size, seed)
@@ -148,11 +184,14 @@ def train_loader():
 # others wait). A resumed run sees exactly the batches it would have seen: the corpus's batches are a function
 # of (seed, step, sequence index), and the shard loader's position travels in the checkpoint.
 try:
-    enc = get_tokenizer(tokenizer)
+    enc = get_tokenizer(tokenizer_name)
+    if own and tokenizer_name != own and not same_encoding(enc, get_tokenizer(own)):
+        raise ValueError(f"tokenizer {tokenizer!r} does not encode as the model's own ({own}/tokenizer.json); "
+                         "leave tokenizer unset to use that one")
     if (mixture and not dataset) or (remix_interval and not mixture):
         raise ValueError("mixture= needs dataset= (whose val split is evaluated); remix_interval needs mixture=")
     if dataset:
-        setup_data(dataset, data_files, tokenizer, data_format, text_field)
+        setup_data(dataset, data_files, tokenizer_name, data_format, text_field)
         loader = train_loader()
     else:
         loader, (train_data, val_data) = None, offline_corpus(enc)
@@ -188,24 +227,16 @@ def val_batches(n):
     return [{k: v.to(device) for k, v in val.next_batch().items() if k in 'xy'} for _ in range(n)]
 
 
-def checkpoints(folder):
-    """Complete checkpoints in a run's folder, oldest first (saves in progress are .tmp_ckpt_*)."""
-    names = os.listdir(folder) if os.path.isdir(folder) else []
-    return sorted(os.path.join(folder, n) for n in names if n.startswith('ckpt_'))
-
-
 def load(src):
-    """A model from an HF directory, or from the latest checkpoint of a run's out_dir."""
-    if not os.path.exists(os.path.join(src, 'config.json')) and checkpoints(src):
-        src = checkpoints(src)[-1]
+    """A model from an HF directory, a run's out_dir (its latest checkpoint) or a hub id."""
     try:
-        return Transformer.from_pretrained(resolve_model(src)), src
+        return Transformer.from_pretrained(model_dir(src))
     except (OSError, ValueError, RuntimeError) as e:
         sys.exit(f"error: cannot load {src!r}: {e}")
 
 
 # model: from scratch, from the last checkpoint, or from a Hugging Face directory
-step, best_val, best_step, bad_evals, state = 0, float('inf'), 0, 0, None
+step, best_val, best_step, bad_evals = 0, float('inf'), 0, 0
 if init_from == 'scratch':
     model = Transformer(ModelConfig(  # documents start with EOS, so it is also the BOS
         vocab_size=64 * math.ceil(enc.n_vocab / 64), n_layer=n_layer, n_embd=n_embd, n_head=n_head,
@@ -213,19 +244,16 @@ if init_from == 'scratch':
         max_seq_len=block_size, tie_embeddings=tie_embeddings, bitnet=bitnet, bos_token_id=eos_id(enc),
         eos_token_id=eos_id(enc)))
 else:
-    if init_from == 'resume' and not checkpoints(out_dir):
-        sys.exit(f"error: no checkpoint in {out_dir!r} to resume from; train once first or set --out_dir")
-    model, src = load(out_dir if init_from == 'resume' else init_from)
-    if init_from == 'resume':
-        state = torch.load(os.path.join(src, 'train_state.pt'), weights_only=True)
+    model = load(start)
+    if state:
         changed = [f"{k}={state['config'][k]!r} (now {config[k]!r})" for k in
                    ('n_layer', 'n_embd', 'n_head', 'n_kv_head', 'intermediate_size', 'act', 'bitnet', 'lrc_rank',
                     'tokenizer', 'optimizer', 'zero1') if state['config'][k] != config[k]]
         if changed:
-            sys.exit(f"error: {src} was trained with {', '.join(changed)}; resume with the same settings or a new out_dir")
+            sys.exit(f"error: {start} was trained with {', '.join(changed)}; resume with the same settings or a new out_dir")
         step, best_val, best_step, bad_evals = (state[k] for k in ('step', 'best_val', 'best_step', 'bad_evals'))
     if enc.n_vocab > model.config.vocab_size:
-        sys.exit(f"error: tokenizer {tokenizer!r} has {enc.n_vocab} tokens but the model only {model.config.vocab_size}; use the model's tokenizer")
+        sys.exit(f"error: tokenizer {tokenizer_name!r} has {enc.n_vocab} tokens but the model only {model.config.vocab_size}; use the model's tokenizer")
     if model.config.max_seq_len < block_size:
         sys.exit(f"error: block_size={block_size} exceeds the model's max_seq_len={model.config.max_seq_len}")
     if bitnet and not model.config.bitnet:  # a pretrained fp model: calibrate SubLN on its data
@@ -240,7 +268,7 @@ if master:
 
 # objectives and the teacher they distil from
 teacher_net = RemoteTeacher(teacher, teacher_model, top_k=teacher_top_k) if teacher.startswith(('http://', 'https://')) \
-    else LocalTeacher(load(teacher)[0], device, ptdtype) if teacher else None
+    else LocalTeacher(load(teacher), device, ptdtype) if teacher else None
 if isinstance(teacher_net, LocalTeacher) and teacher_net.model.config.vocab_size != raw_model.config.vocab_size:
     sys.exit(f"error: teacher vocab {teacher_net.model.config.vocab_size} != student vocab {raw_model.config.vocab_size}; both must share a tokenizer")
 if 'diffusion' in objectives:  # a dedicated mask token: the tokenizer's, or a spare (padding) row of the embedding
@@ -301,14 +329,14 @@ if state is not None:
     if zclipper:
         vars(zclipper).update(state['zclip'])
     if len(state['rng']) != world_size:
-        sys.exit(f"error: {src} was trained on {len(state['rng'])} ranks; resume on as many")
+        sys.exit(f"error: {start} was trained on {len(state['rng'])} ranks; resume on as many")
     torch.set_rng_state(state['rng'][rank]['cpu'])  # e.g. the masks of masked diffusion
     if device_type == 'cuda' and state['rng'][rank]['cuda'] is not None:
         torch.cuda.set_rng_state(state['rng'][rank]['cuda'])
     if loader:
         loader.load_state_dict(state['rng'][rank]['data'])
     if master:
-        print(f"resumed from {src} at step {step}: weights, optimizer, schedule, RNG and data position restored "
+        print(f"resumed from {start} at step {step}: weights, optimizer, schedule, RNG and data position restored "
               f"(best val {best_val:.4f} at step {best_step})")
 model = torch.compile(model) if compile else model
 model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None) if ddp else model
@@ -399,9 +427,12 @@ def save_checkpoint(step, rngs, opt_states):
     final, tmp = os.path.join(out_dir, f'ckpt_{step:07d}'), os.path.join(out_dir, f'.tmp_ckpt_{step:07d}')
     shutil.rmtree(tmp, ignore_errors=True)
     raw_model.save_pretrained(tmp)
+    if tokenizer_file:
+        shutil.copy(tokenizer_file, os.path.join(tmp, 'tokenizer.json'))
     torch.save({'step': step, 'best_val': best_val, 'best_step': best_step, 'bad_evals': bad_evals,
                 'optimizers': opt_states, 'scaler': scaler.state_dict(), 'rng': rngs,
-                'zclip': vars(zclipper) if zclipper else None, 'config': config, 'commit': commit},
+                'zclip': vars(zclipper) if zclipper else None, 'config': config, 'tokenizer': tokenizer_name,
+                'commit': commit},
                os.path.join(tmp, 'train_state.pt'))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)

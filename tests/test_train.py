@@ -172,3 +172,32 @@ def test_sft_val_loss_counts_only_answers_when_some_val_batches_hold_none(tmp_pa
     r = run([*args, f'--out_dir={tmp_path / "b"}', f'--dataset={tmp_path / "b"}',
              f"--data_files={{'train': '{tmp_path / 'train.jsonl'}', 'val': '{tmp_path / 'prompts.jsonl'}'}}"])
     assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith('error: no val batch holds a counted')
+
+
+def test_init_from_a_directory_trains_with_its_own_tokenizer(tmp_path):
+    """A model directory that ships a tokenizer.json is trained (and sampled) with it unless told
+    otherwise; another tokenizer that encodes differently is an error, not a silent mismatch."""
+    pytest.importorskip('tokenizers')
+    from pydoc_data.topics import topics
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from model import ModelConfig, Transformer
+    src, out = tmp_path / 'fp', str(tmp_path / 'out')
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([topics[k] for k in sorted(topics)[:20]], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=['<|endoftext|>'], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    Transformer(ModelConfig(vocab_size=448, n_layer=1, n_embd=32, n_head=2, n_kv_head=1, intermediate_size=64,
+                            max_seq_len=64)).save_pretrained(str(src))
+    tok.save(str(src / 'tokenizer.json'))
+    r = run([*TINY, f'--out_dir={out}', f'--init_from={src}', '--max_steps=2', '--eval_interval=2'])
+    assert r.returncode == 0, r.stderr
+    ckpt = os.path.join(out, 'ckpt_0000002')
+    assert torch.load(os.path.join(ckpt, 'train_state.pt'), weights_only=True)['tokenizer'] == str(src)
+    assert open(os.path.join(ckpt, 'tokenizer.json')).read() == (src / 'tokenizer.json').read_text()
+    r = run([f'--ckpt={ckpt}', '--num_tokens=3', '--prompt=The with statement', '--temperature=0'], script='sample.py')
+    assert r.returncode == 0 and r.stdout.startswith('The with statement'), r.stderr
+    r = run([*TINY, f'--out_dir={tmp_path / "b"}', f'--init_from={src}', '--max_steps=2', '--tokenizer=bytes'])
+    assert r.returncode != 0 and r.stderr.strip().count('\n') == 0
+    assert "tokenizer 'bytes' does not encode as the model's own" in r.stderr
