@@ -321,8 +321,9 @@ HF_KEYS = dict(vocab_size='vocab_size', n_layer='num_hidden_layers', n_embd='hid
 
 def config_from_hf(hf):
     kind = hf.get('model_type')
-    if kind not in ('llama', 'bitnet'):
+    if kind not in ('llama', 'bitnet', 'bitnet_lrc'):
         raise ValueError(f"model_type {kind!r} is not supported; use a Llama-layout checkpoint (llama, bitnet)")
+    kind = 'bitnet' if kind == 'bitnet_lrc' else kind
     rope = hf.get('rope_parameters') or hf.get('rope_scaling') or {}
     if rope.get('rope_type', rope.get('type', 'default')) != 'default':
         raise ValueError(f"rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported; only plain RoPE is")
@@ -353,6 +354,8 @@ def config_to_hf(cfg, dtype):
         hf.update(model_type='bitnet', architectures=['BitNetForCausalLM'],
                   quantization_config={'quant_method': 'bitnet', 'linear_class': 'autobitlinear',
                                        'quantization_mode': 'offline' if cfg.packed else 'online'})
+        if cfg.lrc_rank:  # transformers has no low-rank corrections and would drop them without a word:
+            hf.update(model_type='bitnet_lrc', architectures=['BitNetLRCForCausalLM'])  # a type it refuses
     elif cfg.subln:
         raise ValueError("an fp model with SubLN has no transformers class; convert it to BitNet first")
     return hf

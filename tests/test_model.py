@@ -135,3 +135,22 @@ def test_bad_checkpoints_give_clear_errors(tmp_path):
     json.dump({**cfg, 'model_type': 'gpt2'}, open(tmp_path / 'config.json', 'w'))
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         Transformer.from_pretrained(str(tmp_path))
+
+
+def test_lrc_checkpoint_loads_here_and_is_refused_by_transformers(tmp_path):
+    """transformers has no low-rank corrections: it must refuse such a checkpoint, not open it without
+    them (logits off by 0.26 when it did); ours loads it with the corrections, packed or not."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=64, n_layer=2, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=48,
+                                    max_seq_len=32, bitnet=True)).add_lrc(4).eval()
+    idx = tokens(64)
+    for kind in ('online', 'packed'):
+        model = model.freeze() if kind == 'packed' else model
+        model.save_pretrained(tmp_path / kind)
+        assert json.load(open(tmp_path / kind / 'config.json'))['model_type'] == 'bitnet_lrc'
+        with pytest.raises((ValueError, KeyError)):
+            transformers.AutoModelForCausalLM.from_pretrained(tmp_path / kind)
+        loaded = Transformer.from_pretrained(str(tmp_path / kind)).eval()
+        assert loaded.config.lrc_rank == 4 and loaded.config.packed == (kind == 'packed')
+        with torch.no_grad():
+            assert torch.equal(loaded(idx), model(idx))
