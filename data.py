@@ -349,14 +349,22 @@ def render_chat(enc, turns, template=None):
     and on the token that ends its turn (so that the model learns to stop). In ChatML, with
     the counted tokens in brackets:
         <|endoftext|><|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n[Hello!<|im_end|>]\\n
-    The texts are encoded as ordinary text, so no one can smuggle in special tokens."""
+    The texts are encoded as ordinary text, so no one can smuggle in special tokens, but together
+    with the plain end of their header ("assistant\\n"), as HF's chat templates tokenize the rendered
+    string: an answer that starts with whitespace merges with the header's newline. A token that
+    holds any of the answer counts."""
     start, role_end, end, after = template or chat_template(enc)
     tokens, mask = [eos_id(enc)], [0]
     for role, text in turns:
-        head = enc.encode(start + role + role_end, allowed_special='all')
-        body, tail = enc.encode_ordinary(text) + [enc.encode_single_token(end)], enc.encode_ordinary(after)
-        tokens += head + body + tail
-        mask += [0] * len(head) + [int(role == 'assistant')] * len(body) + [0] * len(tail)
+        head = start + role + role_end
+        cut = max(head.rfind(s) + len(s) for s in enc.special_tokens_set if s in head)  # after its last special
+        special, body = enc.encode(head[:cut], allowed_special='all'), enc.encode_ordinary(head[cut:] + text)
+        ends = (enc.decode_with_offsets(body)[1] + [len(head) - cut + len(text)])[1:]  # where each token ends
+        tail = [enc.encode_single_token(end)] + enc.encode_ordinary(after)
+        tokens += special + body + tail
+        answer = role == 'assistant'
+        mask += [0] * len(special) + [int(answer and e > len(head) - cut) for e in ends] + [int(answer)] + \
+            [0] * (len(tail) - 1)
     return tokens, mask
 
 

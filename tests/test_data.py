@@ -232,6 +232,22 @@ def test_sft_masks_count_exactly_the_assistant_tokens(layout, tmp_path):
         assert first == '<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n[Hello!<|im_end|>]\n'
 
 
+@pytest.mark.parametrize('kind', ['gpt2', 'smollm2'])
+def test_chat_ids_equal_hf_tokenizing_the_rendered_template(kind, tmp_path):
+    """HF renders a chat template to one string, then tokenizes it: an answer that starts with
+    whitespace merges with the header's newline. Ours must give the same ids, and count every
+    token that holds any of the answer."""
+    hf = train_hf_tokenizer(kind, str(tmp_path))
+    enc = data.get_tokenizer(str(tmp_path))
+    for answer in ('Hello!', ' Hello!', '\n\nfirst paragraph', '    indented = True', '', '2024\n'):
+        turns = [('user', 'Hi\n'), ('assistant', answer)]
+        rendered = '<|endoftext|>' + ''.join(f'<|im_start|>{r}\n{t}<|im_end|>\n' for r, t in turns)
+        tokens, mask = data.render_chat(enc, turns)
+        assert tokens == hf.encode(rendered, add_special_tokens=False).ids, repr(answer)
+        counted = enc.decode([t for t, m in zip(tokens, mask) if m])  # the answer, and at most the newline before
+        assert counted.endswith(answer + '<|im_end|>') and ('\n' + answer + '<|im_end|>').endswith(counted)
+
+
 def test_llama3_template_and_missing_chat_tokens():
     specials = ['<|end_of_text|>', '<|start_header_id|>', '<|end_header_id|>', '<|eot_id|>']
     enc = tiktoken.Encoding('llama-like', pat_str=data.GPT2_PATTERN, mergeable_ranks={bytes([i]): i for i in range(256)},
