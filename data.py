@@ -136,6 +136,13 @@ def get_tokenizer(name):
                      f"a tokenizer.json (or its directory) or a hub model id")
 
 
+def same_encoding(a, b):
+    """Whether two tokenizers give the same ids, judged on a probe of text, digits, code and unicode."""
+    probe = 'The year 2024: def f(x):\n\treturn x ** 2  # naïve café, 東京 🚀' * 2
+    return a.n_vocab == b.n_vocab and a.special_tokens_set == b.special_tokens_set and \
+        a.encode_ordinary(probe) == b.encode_ordinary(probe)
+
+
 def eos_id(enc):
     """The end-of-text token that starts (and so separates) documents."""
     for name in EOS_NAMES:

@@ -26,7 +26,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bitlinear import set_lambda
 from configurator import configure
-from data import Loader, eos_id, get_batch, get_tokenizer, offline_corpus, resolve_model, setup_data, source_scores
+from data import (Loader, eos_id, get_batch, get_tokenizer, offline_corpus, resolve_model, same_encoding, setup_data,
+                  source_scores)
 from model import ModelConfig, Transformer
 from objectives import (IGNORE, OBJECTIVES, CurriculumScheduler, LocalTeacher, ObjectiveManager, RemoteTeacher, ce_loss,
                         preference_pairs)
@@ -153,13 +154,6 @@ def model_dir(src):
         else resolve_model(src)
 
 
-def same_encoding(a, b):
-    """Whether two tokenizers give the same ids, on a probe of text, digits, code and unicode."""
-    probe = 'The year 2024: def f(x):\n\treturn x ** 2  # naïve café, 東京 🚀' * 2
-    return a.n_vocab == b.n_vocab and a.special_tokens_set == b.special_tokens_set and \
-        a.encode_ordinary(probe) == b.encode_ordinary(probe)
-
-
 # the model we start from and its tokenizer: the model's own (the tokenizer.json beside its weights)
 # unless one is named, which must then encode as it does; a resumed run keeps the one it started with
 if init_from == 'resume' and not checkpoints(out_dir):
@@ -213,12 +207,6 @@ def batch(step, micro, data=None):
     return b
 
 
-def first_batches(n):
-    """The token ids of training's first n micro-batches (a fresh loader: the run's stays put)."""
-    fresh = loader and train_loader()
-    return [fresh.next_batch()['x'].to(device) if fresh else batch(0, i)['x'] for i in range(n)]
-
-
 def val_batches(n):
     """The same n val batches at every evaluation."""
     if not loader:
@@ -256,11 +244,12 @@ else:
         sys.exit(f"error: tokenizer {tokenizer_name!r} has {enc.n_vocab} tokens but the model only {model.config.vocab_size}; use the model's tokenizer")
     if model.config.max_seq_len < block_size:
         sys.exit(f"error: block_size={block_size} exceeds the model's max_seq_len={model.config.max_seq_len}")
-    if bitnet and not model.config.bitnet:  # a pretrained fp model: calibrate SubLN on its data
-        model.to_bitnet(first_batches(subln_calib))
+model.to(device)
+if bitnet and not model.config.bitnet:  # a pretrained fp model: SubLN calibrated on the first batches
+    calib = train_loader() if loader else None  # a loader of its own: the run's stays where it is
+    model.to_bitnet([calib.next_batch()['x'].to(device) if calib else batch(0, i)['x'] for i in range(subln_calib)])
 if lrc_rank and not model.config.lrc_rank:
     model.add_lrc(lrc_rank)  # from the (converted) weights: the SVD of their quantization residual
-model.to(device)
 model.grad_ckpt = grad_ckpt
 raw_model = model
 if master:
@@ -412,25 +401,26 @@ def remix():
     return {f'mix_{n}': w for n, w in loader.reweight(scores, remix_eta, remix_floor).items()}
 
 
-def rng_states(data_state):
-    """The RNG state and data position of every rank, gathered on all of them (rank 0 saves them)."""
+def save_checkpoint(step, data_state):
+    """The HF directory and training state, written under a temporary name, then renamed: atomic.
+    Every rank takes part: rank 0 gathers the RNG states and data positions of all ranks (and, under
+    ZeRO-1, the optimizer state's shards), then writes."""
     mine = {'cpu': torch.get_rng_state(), 'cuda': torch.cuda.get_rng_state() if device_type == 'cuda' else None,
             'data': data_state}
-    every = [mine] * world_size
+    rngs = [mine] * world_size
     if ddp:
-        dist.all_gather_object(every, mine)
-    return every
-
-
-def save_checkpoint(step, rngs, opt_states):
-    """The HF directory and training state, written under a temporary name, then renamed: atomic."""
+        dist.all_gather_object(rngs, mine)
+    for opt in optimizers if zero1 and ddp else []:
+        opt.consolidate_state_dict(to=0)
+    if not master:
+        return
     final, tmp = os.path.join(out_dir, f'ckpt_{step:07d}'), os.path.join(out_dir, f'.tmp_ckpt_{step:07d}')
     shutil.rmtree(tmp, ignore_errors=True)
     raw_model.save_pretrained(tmp)
     if tokenizer_file:
         shutil.copy(tokenizer_file, os.path.join(tmp, 'tokenizer.json'))
     torch.save({'step': step, 'best_val': best_val, 'best_step': best_step, 'bad_evals': bad_evals,
-                'optimizers': opt_states, 'scaler': scaler.state_dict(), 'rng': rngs,
+                'optimizers': [opt.state_dict() for opt in optimizers], 'scaler': scaler.state_dict(), 'rng': rngs,
                 'zclip': vars(zclipper) if zclipper else None, 'config': config, 'tokenizer': tokenizer_name,
                 'commit': commit},
                os.path.join(tmp, 'train_state.pt'))
@@ -443,28 +433,19 @@ def save_checkpoint(step, rngs, opt_states):
     print(f"saved {final}")
 
 
-def optimizer_states():
-    if zero1 and ddp:  # gather the shards on rank 0 (every rank must take part)
-        for opt in optimizers:
-            opt.consolidate_state_dict(to=0)
-    return [opt.state_dict() for opt in optimizers] if master else None
-
-
-def lr_probe(optimizers, i, lr):
-    """The LR range test's probe: one optimizer step at LR lr on step i's batches; its loss."""
-    set_lr(optimizers, lr / learning_rate)
-    loss, _ = micro_steps(0, batch(i, 0))
-    for opt in optimizers:
-        scaler.step(opt)
-        opt.zero_grad(set_to_none=True)
-    scaler.update()
-    return all_mean(loss).item()
-
-
 if lr_find and state is None:  # on throwaway optimizers; the model is put back afterwards
-    saved = {k: v.clone() for k, v in raw_model.state_dict().items()}
-    probe = new_optimizers()
-    tried, losses, found = lr_range_test(lambda i, lr: lr_probe(probe, i, lr))
+    probe, saved = new_optimizers(), {k: v.clone() for k, v in raw_model.state_dict().items()}
+
+    def lr_probe(i, lr):
+        """One optimizer step at LR lr on step i's batches; its loss."""
+        set_lr(probe, lr / learning_rate)
+        loss, _ = micro_steps(0, batch(i, 0))
+        for opt in probe:
+            scaler.step(opt)
+            opt.zero_grad(set_to_none=True)
+        scaler.update()
+        return all_mean(loss).item()
+    tried, losses, found = lr_range_test(lr_probe)
     raw_model.load_state_dict(saved)
     if master:
         write_svg(os.path.join(out_dir, 'lr_find.svg'), tried, losses, found)
@@ -554,9 +535,7 @@ while step < max_steps:
 
     # checkpoint: on a better val loss, at the end, on early stopping, and every ckpt_interval steps
     if improved or last or stop or (ckpt_interval and step % ckpt_interval == 0):
-        rngs, opt_states = rng_states(data_state), optimizer_states()  # collectives: every rank takes part
-        if master:
-            save_checkpoint(step, rngs, opt_states)
+        save_checkpoint(step, data_state)
     if stop:
         if master:
             print(f"early stop: no val improvement above {min_delta} in {patience} evals (best {best_val:.4f} at step {best_step})")

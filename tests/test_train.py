@@ -113,13 +113,14 @@ def test_sft_on_chat_jsonl_and_dpo_on_preference_pairs(tmp_path):
              for k in sorted(topics)] * 3
     (tmp_path / 'chat.jsonl').write_text('\n'.join(json.dumps(c) for c in chats))
     sft = str(tmp_path / 'sft')
-    r = run([*TINY, f'--out_dir={sft}', '--max_steps=2', f'--dataset={tmp_path / "chat"}', '--data_format=chat',
+    # windows of 128 tokens: every prompt of config/preferences.jsonl (up to 69 bytes) leaves room for its answer
+    r = run([*TINY, '--block_size=128', f'--out_dir={sft}', '--max_steps=2', f'--dataset={tmp_path / "chat"}', '--data_format=chat',
              f"--data_files={{'train': '{tmp_path / 'chat.jsonl'}'}}", '--bitnet=False'])
     assert r.returncode == 0, r.stderr
     assert 'prepared' in r.stdout and all(math.isfinite(rec['loss']) for rec in log(sft))
 
     dpo = str(tmp_path / 'dpo')
-    r = run([*TINY, 'config/dpo.py', f'--out_dir={dpo}', f'--init_from={sft}', f'--teacher={sft}', '--bitnet=False',
+    r = run([*TINY, '--block_size=128', 'config/dpo.py', f'--out_dir={dpo}', f'--init_from={sft}', f'--teacher={sft}', '--bitnet=False',
              '--max_steps=3', '--eval_interval=3'])
     assert r.returncode == 0, r.stderr
     recs = log(dpo)
