@@ -122,7 +122,7 @@ globals().update(config)
 
 # DDP: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE
 ddp = 'RANK' in os.environ
-rank, local_rank, world_size = 0, 0, 1
+rank, local_rank, world_size = 0, 0, 1  # a single process is rank 0 of 1
 if ddp:
     dist.init_process_group('nccl' if device.startswith('cuda') else 'gloo')
     rank, local_rank, world_size = dist.get_rank(), int(os.environ['LOCAL_RANK']), dist.get_world_size()
@@ -132,17 +132,18 @@ if ddp:
     if gradient_accumulation_steps % world_size:
         sys.exit(f"error: gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of "
                  f"the {world_size} ranks")
-    gradient_accumulation_steps //= world_size
-master = rank == 0
+    gradient_accumulation_steps //= world_size  # the global batch stays the same on any number of ranks
+master = rank == 0  # logs, checkpoints and samples
 device_type = 'cuda' if device.startswith('cuda') else 'cpu'
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}.get(dtype)
 if ptdtype is None:
     sys.exit(f"error: dtype={dtype!r} is not one of float32, bfloat16, float16")
 ctx = nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type, dtype=ptdtype)
-torch.manual_seed(seed + rank)
+torch.manual_seed(seed + rank)  # not the batches (seeded by step) but e.g. diffusion's masks
 os.makedirs(out_dir, exist_ok=True)
 commit = subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True, cwd=os.path.dirname(
     os.path.abspath(__file__))).stdout.strip() if shutil.which('git') else ''  # saved with every checkpoint
+
 
 def checkpoints(folder):
     """Complete checkpoints in a run's folder, oldest first (saves in progress are .tmp_ckpt_*)."""
@@ -197,6 +198,8 @@ try:
     pairs = preference_pairs(dpo_data, enc, block_size, eos_id(enc)) if dpo_data else None
 except (OSError, ValueError, KeyError) as e:
     sys.exit(f"error: data: {e}")
+
+
 def batch(step, micro, data=None):
     """This rank's micro-batch `micro` of optimizer step `step`: {'x', 'y'} (and DPO's 'pairs')."""
     index = micro * world_size + rank  # this rank's slice of the step's global batch
@@ -231,7 +234,9 @@ def load(src):
 # model: from scratch, from the last checkpoint, or from a Hugging Face directory
 step, best_val, best_step, bad_evals = 0, float('inf'), 0, 0
 if init_from == 'scratch':
-    model = Transformer(ModelConfig(  # documents start with EOS, so it is also the BOS
+    # the vocabulary padded to a multiple of 64 (faster matmuls, spare rows such as diffusion's mask
+    # token); documents start with EOS, so it is also the BOS
+    model = Transformer(ModelConfig(
         vocab_size=64 * math.ceil(enc.n_vocab / 64), n_layer=n_layer, n_embd=n_embd, n_head=n_head,
         n_kv_head=n_kv_head, intermediate_size=intermediate_size, rope_theta=rope_theta, act=act,
         max_seq_len=block_size, tie_embeddings=tie_embeddings, bitnet=bitnet, bos_token_id=eos_id(enc),
@@ -289,10 +294,10 @@ except KeyError as e:
 except (TypeError, ValueError) as e:
     sys.exit(f"error: objectives/curriculum: {e}")
 
-
+# auto batch (CUDA): the largest micro-batch that fits, found by trying; the global batch stays the same
 if auto_batch and device_type != 'cuda':
     print("auto_batch: does nothing on CPU (there is no memory limit to probe); keeping batch_size")
-elif auto_batch:  # the largest micro-batch that fits; the global batch stays the same
+elif auto_batch:
 
     def try_batch(b):
         x = torch.randint(enc.n_vocab, (b, block_size), device=device)
@@ -307,6 +312,7 @@ elif auto_batch:  # the largest micro-batch that fits; the global batch stays th
     loader = loader and train_loader()  # it has read nothing yet (a resumed one is restored below)
     print(f"auto_batch: batch_size={batch_size} x gradient_accumulation_steps={gradient_accumulation_steps}")
 
+# optimizers, the fp16 gradient scaler, ZClip, and everything a resumed run restores
 if optimizer not in ('adamw', 'muon') or schedule not in SCHEDULES:
     sys.exit(f"error: optimizer={optimizer!r} / schedule={schedule!r}; "
              f"use adamw or muon / {', '.join(SCHEDULES)}")
@@ -349,6 +355,7 @@ model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None) i
 
 
 def all_mean(x):
+    """The mean of x over the ranks (a no-op in one process), so that every rank logs the same."""
     if ddp:
         dist.all_reduce(x, op=dist.ReduceOp.AVG)
     return x
@@ -356,6 +363,7 @@ def all_mean(x):
 
 def micro_steps(step, b):
     """Forward and backward over the step's micro-batches; returns the mean loss and metrics."""
+    # the logged loss is the mean over all micro-steps, not the last one's
     loss_sum, metrics = torch.zeros((), device=device), {}
     for micro in range(gradient_accumulation_steps):
         if ddp:  # all-reduce the gradients only once, after the last micro-step
@@ -367,7 +375,7 @@ def micro_steps(step, b):
         loss_sum += loss.detach()
         for k, v in parts.items():  # the mean over micro-steps, like the loss
             metrics[k] = metrics.get(k, 0.0) + v / gradient_accumulation_steps
-        scaler.scale(loss / gradient_accumulation_steps).backward()
+        scaler.scale(loss / gradient_accumulation_steps).backward()  # gradients sum: scale to the mean
     return loss_sum / gradient_accumulation_steps, metrics
 
 
@@ -440,10 +448,8 @@ def save_checkpoint(step, data_state):
         shutil.copy(tokenizer_file, os.path.join(tmp, 'tokenizer.json'))
     torch.save({'step': step, 'best_val': best_val, 'best_step': best_step, 'bad_evals': bad_evals,
                 'optimizers': [opt.state_dict() for opt in optimizers], 'scaler': scaler.state_dict(),
-                'rng': rngs,
-                'zclip': vars(zclipper) if zclipper else None, 'config': config, 'tokenizer': tokenizer_name,
-                'commit': commit},
-               os.path.join(tmp, 'train_state.pt'))
+                'rng': rngs, 'zclip': vars(zclipper) if zclipper else None, 'config': config,
+                'tokenizer': tokenizer_name, 'commit': commit}, os.path.join(tmp, 'train_state.pt'))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     best = os.path.join(out_dir, f'ckpt_{best_step:07d}')
