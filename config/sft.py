@@ -7,7 +7,6 @@
 # of the steps, since switching a pretrained model to ternary at once undoes its training.
 out_dir = 'out-sft'
 init_from = 'HuggingFaceTB/SmolLM2-135M'
-tokenizer = 'HuggingFaceTB/SmolLM2-135M'
 dataset = 'data/slimorca-smollm2'
 data_files = {'train': 'hf://datasets/Open-Orca/SlimOrca/oo-labeled_correct.gpt4.sharegpt.jsonl'}
 data_format = 'chat'

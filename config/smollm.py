@@ -8,15 +8,14 @@
 # The student is the model converted to BitNet with SubLN; the teacher is the fp original,
 # frozen. Curriculum: for the first 10% of the steps quantization ramps in (lambda warmup)
 # under CE alone; then CE + logits KD + attention-relation KD, as in BitDistill.
-# Offline, download those files elsewhere and point at them: --init_from=DIR --teacher=DIR
-# --tokenizer=DIR (a folder with config.json, model.safetensors, tokenizer.json) and
-# --data_files="{'train': 'train.txt', 'val': 'valid.txt'}".
+# The model's own tokenizer.json tokenizes the data. Offline, download those files elsewhere and
+# point at them: --init_from=DIR --teacher=DIR (a folder with config.json, model.safetensors,
+# tokenizer.json) and --data_files="{'train': 'train.txt', 'val': 'valid.txt'}".
 import torch
 
 out_dir = 'out-smollm'
 init_from = 'HuggingFaceTB/SmolLM2-135M'
 teacher = 'HuggingFaceTB/SmolLM2-135M'
-tokenizer = 'HuggingFaceTB/SmolLM2-135M'
 dataset = 'data/tinystories-smollm2'
 data_files = {'train': 'hf://datasets/roneneldan/TinyStories/TinyStoriesV2-GPT4-train.txt',
               'val': 'hf://datasets/roneneldan/TinyStories/TinyStoriesV2-GPT4-valid.txt'}
