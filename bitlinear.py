@@ -19,9 +19,11 @@ back to random-init loss. With `lam` in [0, 1] the layer computes
 and a trainer ramps lam up over the first steps.
 
 Converting a model (`convert_to_bitnet`): every attention/MLP linear becomes a BitLinear
-that keeps the same weights; embeddings and the LM head stay fp; and two RMSNorms with
-gain 1 ("SubLN", Wang et al. 2023, used by BitNet b1.58 2B4T and BitDistill) go right
-before o_proj and down_proj, whose inputs are otherwise badly scaled for int8.
+that keeps the same weights; embeddings and the LM head stay fp; and two RMSNorms ("SubLN",
+Wang et al. 2023, used by BitNet b1.58 2B4T and BitDistill) go right before o_proj and
+down_proj, whose inputs are otherwise badly scaled for int8. They ramp in with lambda, so a
+converted pretrained model at lambda = 0 is still exactly the pretrained one, and their gains
+start from the scale of their inputs, measured on a few batches (`calibrate_subln`).
 
 Freezing (`freeze`), for inference: every BitLinear becomes a PackedBitLinear that keeps only
 the 2-bit weights and gamma (16x less memory than fp32) and runs the integer kernels of
