@@ -217,10 +217,11 @@ def test_freeze_keeps_only_2bit_weights_and_matches_bitlinear(cpp):
     assert torch.allclose(y, ref, atol=1e-5, rtol=1e-5)  # fake-quant fp vs exact integer sums
     sd = packed.state_dict()  # transformers' offline format, whatever layout sits in memory
     assert torch.equal(sd['weight'], kernels.pack_hf(w_q)) and torch.equal(sd['weight_scale'], gamma.view(1))
+    assert torch.allclose(sd['bias'] * gamma, layer.bias)  # stored divided by gamma, as transformers reads it
     again = PackedBitLinear(torch.zeros(13, 300), torch.ones(()), torch.nn.Parameter(torch.zeros(13)))
     again.load_state_dict(sd)
     with torch.no_grad():
-        assert torch.equal(again(x), y)
+        assert torch.allclose(again(x), y, rtol=0, atol=1e-6)  # the bias's round trip through / gamma rounds
 
 
 def test_bitlinear_alone_falls_back_to_pure_torch_with_the_same_numbers(tmp_path, cpp):
