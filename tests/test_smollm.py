@@ -182,7 +182,7 @@ def test_real_model_logits_and_greedy_answer_equal_transformers(real):
     assert diff < 1e-4, diff
     prompt = torch.tensor([chat_prompt(enc, 'What is the capital of France?')])
     with torch.no_grad():
-        a = ours.generate(prompt, 12, temperature=0)[0, prompt.size(1):]
+        a = ours.generate(prompt, 12, temperature=0, eos_id=enc.encode_single_token('<|im_end|>'))[0, prompt.size(1):]
         b = theirs.generate(prompt, max_new_tokens=12, do_sample=False)[0, prompt.size(1):]
     assert a.tolist() == b.tolist() and 'Paris' in enc.decode(a.tolist())
 
