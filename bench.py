@@ -239,19 +239,19 @@ def bench_curve(steps=200):
 SHARED = dict(bitnet=True, max_steps=120, batch_size=2, block_size=256, learning_rate=5e-4, min_lr=5e-5,
               warmup_steps=10, weight_decay=0.0, lambda_warmup=0.5, eval_interval=40, eval_iters=4, log_interval=5,
               keep_last=1, sample_tokens=0, eval_prompts=['The try statement', 'def fibonacci(n):'])
-CE_KD = dict(objectives={'ce': {}, 'kd': {}}, curriculum=[(1.0, {'ce': 1.0, 'kd': 1.0})])
+CE_KD = dict(objectives={'ce': {}, 'kd': {'temperature': 5.0}}, curriculum=[(1.0, {'ce': 1.0, 'kd': 1.0})])
 BITDISTILL = lambda attn: dict(  # CE for half the steps, then CE + KD at T 5 + attention-relation KD
     objectives={'ce': {}, 'kd': {'temperature': 5.0}, 'attn': {'layer': -1, 'heads': 4}},
     curriculum=[(0.5, {'ce': 1.0}), (1.0, {'ce': 1.0, 'kd': 1.0, 'attn': attn})])
 ARMS = {  # each arm: train.py settings on top of SHARED; the same data order, steps and schedules
     'CE only': {},
-    'CE + KD (T 1)': CE_KD,
+    'CE + KD (T 5)': CE_KD,
     'BitDistill': BITDISTILL(10.0),
-    'KD only (T 1)': dict(objectives={'kd': {}}, curriculum=[(1.0, {'kd': 1.0})]),
+    'KD only (T 5)': dict(objectives={'kd': {'temperature': 5.0}}, curriculum=[(1.0, {'kd': 1.0})]),
     'CE + KD, SubLN gain 1': dict(CE_KD, subln_calib=0),
     'CE + KD, no lambda warmup': dict(CE_KD, lambda_warmup=0.0),
-    'CE + KD (T 5)': dict(CE_KD, objectives={'ce': {}, 'kd': {'temperature': 5.0}}),
     'BitDistill, attention KD weight 1': BITDISTILL(1.0),
+    'CE + KD (T 1)': dict(CE_KD, objectives={'ce': {}, 'kd': {'temperature': 1.0}}),
 }
 CHAT = ['What is the capital of France?', 'Write a Python function that reverses a string.',
         'Give me three tips for staying focused.']
