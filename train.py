@@ -29,10 +29,9 @@ from configurator import configure
 from data import (Loader, eos_id, get_batch, get_tokenizer, offline_corpus, resolve_model, same_encoding,
                   setup_data, source_scores)
 from model import ModelConfig, Transformer
-from objectives import (IGNORE, OBJECTIVES, CurriculumScheduler, LocalTeacher, ObjectiveManager,
-                        RemoteTeacher, ce_loss, preference_pairs)
-from optim import (SCHEDULES, ZClip, auto_batch_size, lr_factor, lr_range_test, make_optimizers, param_groups,
-                   write_svg)
+from objectives import (IGNORE, OBJECTIVES, SCHEDULES, CurriculumScheduler, LocalTeacher, ObjectiveManager,
+                        RemoteTeacher, ZClip, auto_batch_size, ce_loss, lr_factor, lr_range_test,
+                        make_optimizers, param_groups, preference_pairs, write_svg)
 
 _imported = set(globals())  # everything defined below, up to the ruler, is a setting
 # -----------------------------------------------------------------------------
@@ -320,7 +319,7 @@ scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)
 
 
 def new_optimizers():
-    """AdamW, or Muon on the hidden matrices (optim.py), every group at its own base LR."""
+    """AdamW, or Muon on the hidden matrices (objectives.py), every group at its own base LR."""
     groups = param_groups(raw_model, learning_rate, weight_decay, embed_lr, head_lr, scalar_lr)
     return make_optimizers(groups, optimizer, learning_rate, (beta1, beta2), zero1 and ddp)
 
