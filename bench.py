@@ -283,7 +283,8 @@ def bench_distill(out='out-distill'):
     path = os.path.join(out, 'results.json')
     res = json.load(open(path)) if os.path.exists(path) else {}
     teacher = Transformer.from_pretrained(src).eval()
-    res.setdefault('teacher', dict(zip(('nats', 'bpb'), heldout(teacher, val, enc)), time_s=0, tokens=0))
+    if 'teacher' not in res:  # scored once, like every arm
+        res['teacher'] = dict(zip(('nats', 'bpb'), heldout(teacher, val, enc)), time_s=0, tokens=0)
     for arm, kw in ARMS.items():
         if arm in res:
             continue
