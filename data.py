@@ -11,7 +11,7 @@ encoding is the degenerate case: no merges, one token per byte.
 
 Downloads are plain HTTPS GETs of hub files, `{endpoint}/{repo}/resolve/{revision}/{file}`:
 redirects followed, a cut transfer resumed with a Range header, the file written under a
-temporary name and renamed once it matches the sha256 that the hub sends for large files. Under DDP only
+temporary name and renamed once it matches the sha256 the hub sends for large files. Under DDP only
 local rank 0 downloads; the other ranks wait for the file to appear.
 
 Token shards use llm.c's format, so modded-nanogpt's FineWeb shards load as they are: a
@@ -38,6 +38,7 @@ import glob
 import hashlib
 import itertools
 import json
+import math
 import multiprocessing
 import os
 import re
@@ -48,13 +49,15 @@ import numpy as np
 import requests
 import tiktoken
 import torch
-import torch.nn.functional as F
 
 # GPT-2's pre-tokenizer: contractions, words, numbers, punctuation runs, whitespace
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # SmolLM2's: every digit its own piece, then GPT-2's regex on the stretches between digits.
 # A stretch ends at a digit, so whitespace before a digit stays whole: \s+(?=\p{N}).
 DIGITS_PATTERN = r"""\p{N}|'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?=\p{N})|\s+(?!\S)|\s+"""
+# Llama 3's (and cl100k's): numbers in runs of up to 3 digits, case-insensitive contractions
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
 SPECIAL_TOKENS = ('<|endoftext|>', '<|mask|>', '<|im_start|>', '<|im_end|>')
 EOS_NAMES = ('<|endoftext|>', '<|end_of_text|>', '</s>')
 IGNORE = -100  # a target that does not count: F.cross_entropy's ignore_index, as in objectives.py
@@ -137,7 +140,7 @@ def get_tokenizer(name):
 
 
 def same_encoding(a, b):
-    """Whether two tokenizers give the same ids, judged on a probe of text, digits, code and unicode."""
+    """Whether two tokenizers give the same ids, judged on a probe of text, digits, code, unicode."""
     probe = 'The year 2024: def f(x):\n\treturn x ** 2  # naïve café, 東京 🚀' * 2
     return a.n_vocab == b.n_vocab and a.special_tokens_set == b.special_tokens_set and \
         a.encode_ordinary(probe) == b.encode_ordinary(probe)
@@ -149,6 +152,38 @@ def eos_id(enc):
         if name in enc.special_tokens_set:
             return enc.encode_single_token(name)
     raise ValueError(f"tokenizer {enc.name!r} has none of the end-of-text tokens {EOS_NAMES}; use one that has")
+
+
+
+# the names under which llama.cpp (src/llama-vocab.cpp) runs each pre-tokenizer regex above
+LLAMA_CPP_PRE = {GPT2_PATTERN: 'gpt-2', DIGITS_PATTERN: 'smollm', LLAMA3_PATTERN: 'llama-bpe'}
+
+
+def gguf_vocab(enc, vocab_size):
+    """The tokenizer as the GGUF keys of llama.cpp's 'gpt2' BPE: each token spelled in GPT-2's byte
+    alphabet with its type (1 normal, 3 control: a special token, 5 unused: padding rows up to
+    vocab_size), the merges in rank order, and the pre-tokenizer's name. tiktoken keeps ranks, not
+    merges: the merge that makes a token is the last step of BPE on its bytes."""
+    if enc._pat_str not in LLAMA_CPP_PRE:
+        raise ValueError(f"tokenizer {enc.name!r}: llama.cpp has no pre-tokenizer for its regex; "
+                         f"use a GPT-2, SmolLM2 or Llama 3 style tokenizer")
+    alphabet, special = byte_alphabet(), {enc.encode_single_token(s) for s in enc.special_tokens_set}
+    ranks = {enc.decode_single_token_bytes(i): i for i in range(enc.n_vocab) if i not in special}
+    spell = lambda b: ''.join(alphabet[c] for c in b)
+    types = [5 if i >= enc.n_vocab else 3 if i in special else 1 for i in range(vocab_size)]
+    tokens = [f'[PAD{i}]' if t == 5 else enc.decode_single_token_bytes(i).decode() if t == 3
+              else spell(enc.decode_single_token_bytes(i)) for i, t in enumerate(types)]
+    merges = []
+    for token in ranks:  # in id order, which is rank order
+        parts = [token[i:i + 1] for i in range(len(token))]
+        while len(parts) > 2:  # merge the lowest-ranked pair, as tiktoken does
+            i = min(range(len(parts) - 1), key=lambda j: ranks.get(parts[j] + parts[j + 1], math.inf))
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        if len(parts) == 2:
+            merges.append(spell(parts[0]) + ' ' + spell(parts[1]))
+    return {'tokenizer.ggml.model': 'gpt2', 'tokenizer.ggml.pre': LLAMA_CPP_PRE[enc._pat_str],
+            'tokenizer.ggml.tokens': tokens, 'tokenizer.ggml.token_type': types, 'tokenizer.ggml.merges': merges,
+            'tokenizer.ggml.add_bos_token': False}
 
 
 # -----------------------------------------------------------------------------
@@ -256,8 +291,8 @@ def fetch(src, folder=None):
 
 
 def resolve_model(src, revision='main'):
-    """A Hugging Face model directory: src itself if it is one, else the hub repo src fetched
-    into the cache (config.json, the safetensors weights, single or sharded, tokenizer.json)."""
+    """A Hugging Face model directory: src itself if it is one, else the hub repo src fetched into
+    the cache (config.json, the safetensors weights, single or sharded, the tokenizer files)."""
     if os.path.isdir(src):
         return src
     if not re.fullmatch(r'[\w.-]+/[\w.-]+', src):
@@ -282,7 +317,8 @@ def resolve_model(src, revision='main'):
             weights = sorted(set(json.load(f)['weight_map'].values()))
     for name in weights if index else ['model.safetensors']:
         get(name)
-    get('tokenizer.json', optional=True)
+    for name in ('tokenizer.json', 'tokenizer_config.json', 'chat_template.jinja'):
+        get(name, optional=True)
     open(done, 'w').close()
     return folder
 
@@ -357,9 +393,9 @@ def render_chat(enc, turns, template=None):
     the counted tokens in brackets:
         <|endoftext|><|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n[Hello!<|im_end|>]\\n
     The texts are encoded as ordinary text, so no one can smuggle in special tokens, but together
-    with the plain end of their header ("assistant\\n"), as HF's chat templates tokenize the rendered
-    string: an answer that starts with whitespace merges with the header's newline. A token that
-    holds any of the answer counts."""
+    with the plain end of their header ("assistant\\n"), as HF's chat templates tokenize the
+    rendered text: an answer that starts with whitespace merges with the header's newline.
+    A token that holds any of the answer counts."""
     start, role_end, end, after = template or chat_template(enc)
     tokens, mask = [eos_id(enc)], [0]
     for role, text in turns:
@@ -405,11 +441,11 @@ def _tokenize(unit):
         # special token's text in a document as ordinary text, like encode_ordinary
         parts += [np.array([eos] * new, np.uint32), enc.encode_to_numpy(row[field], disallowed_special=())]
     tokens = np.concatenate(parts).astype(np.uint16 if enc.n_vocab <= 1 << 16 else np.uint32)
-    return split, sum(len(raw) for _, raw in items), tokens, np.concatenate(masks) if masks else None
+    return split, sum(len(r) for _, r in items), tokens, np.concatenate(masks) if masks else None
 
 
 def _documents(path, fmt):
-    """A file's documents: one per jsonl line, or text between <|endoftext|> markers (TinyStories')."""
+    """A file's documents: one per jsonl line, or text between <|endoftext|> markers (TinyStories)."""
     with open(path, encoding='utf-8') as f:
         if fmt != 'text':
             yield from (line for line in f if line.strip())
@@ -595,7 +631,7 @@ class Loader:
         return self._batch(rng.choice(len(self.streams), self.B, p=self.weights).tolist())
 
     def source_batches(self):
-        """One batch of each source alone, to score the sources (see source_scores)."""
+        """One batch of each source alone, to score the sources (objectives.source_scores)."""
         return {name: self._batch([k] * self.B) for k, name in enumerate(self.names)}
 
     def reweight(self, scores, eta=1.0, floor=0.05):
@@ -622,31 +658,11 @@ class Loader:
             s.pos, s.cache = list(pos), None
 
 
-def source_scores(model, loss_fn, batches, val_batches):
-    """Influence-based remixing's score of each source: the cosine between the gradient of
-    the loss on its batch and the gradient of the val loss. loss_fn(model, batch) returns a
-    scalar; batches is {name: batch} (Loader.source_batches()), val_batches a list. The
-    model's gradients are cleared after, so call it between optimizer steps. Under DDP pass
-    the wrapped model: its gradients, hence the scores and the weights, agree on every rank."""
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def grad(bs):
-        model.zero_grad(set_to_none=True)
-        for b in bs:
-            loss_fn(model, b).backward()
-        return torch.cat([torch.zeros(p.numel(), device=p.device) if p.grad is None else p.grad.flatten().float() for p in params])
-
-    g_val = grad(val_batches)
-    scores = {name: F.cosine_similarity(grad([b]), g_val, dim=0).item() for name, b in batches.items()}
-    model.zero_grad(set_to_none=True)
-    return scores
-
-
 # -----------------------------------------------------------------------------
 # the offline corpus
 
 def offline_corpus(enc, val_fraction=0.1):
-    """The pydoc topics, each followed by end-of-text, as (train, val) uint16/uint32 token arrays."""
+    """The pydoc topics, each followed by end-of-text, as (train, val) uint16/32 token arrays."""
     from pydoc_data.topics import topics
     tokens = []
     for key in sorted(topics):

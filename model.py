@@ -21,10 +21,13 @@ ternary linears) BitNet b1.58 2B4T:
   writes a directory that transformers opens as `LlamaForCausalLM` (fp) or
   `BitNetForCausalLM` (ternary: latent weights quantized online, or, after `freeze()`, the
   packed 2-bit weights of the offline format, which inference runs with kernels.py).
+- `save_gguf` writes the same model as a GGUF file that llama.cpp runs: a ternary model in
+  its `bitnet` architecture, the codes in llama.cpp's own ternary blocks (kernels.py).
 """
 import json
 import math
 import os
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +36,8 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from bitlinear import SubLN, add_lrc, calibrate_subln, convert_to_bitnet, freeze
+from bitlinear import SubLN, add_lrc, calibrate_subln, convert_to_bitnet, freeze, unpack_hf, weight_quant
+from kernels import pack_f16, pack_q8_0, pack_tq1_0, pack_tq2_0
 
 
 @dataclass
@@ -61,7 +65,7 @@ class ModelConfig:
     def __post_init__(self):
         self.head_dim = self.head_dim or self.n_embd // self.n_head
         if self.n_head % self.n_kv_head:
-            raise ValueError(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}")
+            raise ValueError(f"n_head={self.n_head} is not a multiple of n_kv_head {self.n_kv_head}")
         if self.act not in ('silu', 'relu2'):
             raise ValueError(f"act={self.act!r} is not supported; use 'silu' or 'relu2'")
 
@@ -193,7 +197,7 @@ class Transformer(nn.Module):
     def freeze(self):
         """Inference only: keep just the 2-bit weights and gamma of every BitLinear."""
         if not self.config.bitnet:
-            raise ValueError("only a ternary model can be frozen; call to_bitnet() and train it first")
+            raise ValueError("only a ternary model can be frozen; call to_bitnet(), train it first")
         freeze(self.layers)
         self.config.packed = True
         return self
@@ -207,7 +211,7 @@ class Transformer(nn.Module):
         and v projections of block feats['qkv_layer']."""
         B, T = idx.shape
         if pos + T > self.config.max_seq_len:
-            raise ValueError(f"sequence of {pos + T} tokens exceeds max_seq_len={self.config.max_seq_len}")
+            raise ValueError(f"{pos + T} tokens exceed max_seq_len={self.config.max_seq_len}")
         x = self.embed_tokens(idx)  # (B, T, C)
         cos, sin = self.cos[pos:pos + T].to(x.dtype), self.sin[pos:pos + T].to(x.dtype)
         feats = {} if feats is None else feats
@@ -262,7 +266,7 @@ class Transformer(nn.Module):
         packed, loaded frozen): config.json plus model.safetensors, or shards listed in
         model.safetensors.index.json. (A hub id is fetched into a directory by data.resolve_model.)"""
         if not os.path.isfile(os.path.join(path, 'config.json')):
-            raise FileNotFoundError(f"{path!r} is not a checkpoint directory (no config.json in it)")
+            raise FileNotFoundError(f"{path!r} is not a checkpoint directory (no config.json)")
         with open(os.path.join(path, 'config.json')) as f:
             hf = json.load(f)
         model = cls(config_from_hf(hf))
@@ -282,7 +286,7 @@ class Transformer(nn.Module):
         sd = {k.removeprefix('model.'): v.to(dtype) if v.is_floating_point() else v  # packed weights stay uint8
               for k, v in sd.items() if not k.endswith('rotary_emb.inv_freq')}
         if (hf.get('quantization_config') or {}).get('linear_class') == 'bitlinear':
-            for k in [k for k in sd if k.endswith('weight_scale')]:  # the older class stores 1/gamma ...
+            for k in [k for k in sd if k.endswith('weight_scale')]:  # the old class stores 1/gamma ...
                 bias = k.removesuffix('weight_scale') + 'bias'
                 if bias in sd:  # ... and adds the bias unscaled; ours is stored as bias / gamma
                     sd[bias] = sd[bias] * sd[k]
@@ -311,6 +315,97 @@ class Transformer(nn.Module):
             json.dump(config_to_hf(self.config, next(self.parameters()).dtype), f, indent=2)
 
 
+    # ---------------------------------------------------------------- GGUF for llama.cpp
+
+    @torch.no_grad()
+    def save_gguf(self, path, vocab, ternary='tq2_0', dtype=torch.float32):
+        """Write a GGUF file that llama.cpp runs: a ternary model in its `bitnet` architecture (the
+        two sub-norms, the head tied to the embedding), each ternary matrix exactly, W_q with d =
+        gamma in fp16, as TQ2_0 or TQ1_0 (Q8_0 or F16 for rows whose length is not a multiple of
+        256; see kernels.py); an fp model in its `llama` architecture. The embedding (and an untied
+        head) in `dtype` (fp32 or fp16), norms in fp32. `vocab`: data.gguf_vocab's keys."""
+        cfg, arch = self.config, 'bitnet' if self.config.bitnet else 'llama'
+        lacks = [what for what, bad in (
+            ('low-rank corrections', cfg.lrc_rank), ('ReLU^2 (it uses SiLU)', cfg.act != 'silu'),
+            ('attention biases', cfg.bitnet and cfg.attention_bias), ('SubLN', cfg.subln and not cfg.bitnet),
+            ('an untied head', cfg.bitnet and not cfg.tie_embeddings),
+            ('head_dim * n_head != n_embd', cfg.bitnet and cfg.head_dim * cfg.n_head != cfg.n_embd)) if bad]
+        if lacks or ternary not in GGUF_TERNARY or dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"cannot export to GGUF: llama.cpp's {arch} architecture has no {', '.join(lacks)}"
+                             if lacks else f"ternary type {ternary!r} or dtype {dtype} unknown; use"
+                             f" {'/'.join(GGUF_TERNARY)} and torch.float32/float16")
+        tensors = []  # (GGUF name, ggml type, torch shape, bytes)
+        for k, v in self.state_dict().items():
+            if k.endswith('weight_scale') or (k == 'lm_head.weight' and cfg.tie_embeddings):
+                continue
+            parts = k.split('.')
+            name = ('blk.' + parts[1] + '.' if parts[0] == 'layers' else '') + GGUF_NAMES[parts[-2]] + '.' + parts[-1]
+            if cfg.bitnet and k.endswith('proj.weight'):
+                m = self.get_submodule(k.removesuffix('.weight'))
+                w_q, gamma = (unpack_hf(v, m.out_features), m.weight_scale) if cfg.packed else weight_quant(v)
+                K = w_q.shape[1]
+                pack, kind = GGUF_TERNARY[ternary] if K % 256 == 0 else (pack_q8_0, 8) if K % 32 == 0 else (pack_f16, 1)
+                tensors.append((name, kind, w_q.shape, pack(w_q, gamma).numpy().tobytes()))
+                continue
+            if arch == 'llama' and parts[-2] in ('q_proj', 'k_proj'):
+                # llama.cpp's `llama` RoPE rotates adjacent pairs (x0, x1), ours (and HF's) the two
+                # halves of a head (x0, x_{d/2}): reorder each head's rows to match
+                heads = cfg.n_head if parts[-2] == 'q_proj' else cfg.n_kv_head
+                v = v.reshape(heads, 2, -1, *v.shape[1:]).transpose(1, 2).reshape(v.shape)
+            kind = 1 if v.dim() == 2 and dtype == torch.float16 else 0  # ggml's F16, F32
+            tensors.append((name, kind, v.shape, v.to(dtype if kind else torch.float32).numpy().tobytes()))
+        kv = {'general.architecture': arch, 'general.file_type': GGUF_FILE_TYPE[ternary if cfg.bitnet else dtype],
+              f'{arch}.vocab_size': cfg.vocab_size, f'{arch}.context_length': cfg.max_seq_len,
+              f'{arch}.embedding_length': cfg.n_embd, f'{arch}.block_count': cfg.n_layer,
+              f'{arch}.feed_forward_length': cfg.intermediate_size, f'{arch}.rope.dimension_count': cfg.head_dim,
+              f'{arch}.attention.head_count': cfg.n_head, f'{arch}.attention.head_count_kv': cfg.n_kv_head,
+              f'{arch}.attention.key_length': cfg.head_dim, f'{arch}.attention.value_length': cfg.head_dim,
+              f'{arch}.rope.freq_base': float(cfg.rope_theta),
+              f'{arch}.attention.layer_norm_rms_epsilon': float(cfg.norm_eps), **vocab}
+        for which in ('bos', 'eos'):
+            if getattr(cfg, which + '_token_id') is not None:
+                kv[f'tokenizer.ggml.{which}_token_id'] = getattr(cfg, which + '_token_id')
+        write_gguf(path, kv, tensors)
+
+
+GGUF_NAMES = dict(embed_tokens='token_embd', norm='output_norm', lm_head='output', input_layernorm='attn_norm',
+                  q_proj='attn_q', k_proj='attn_k', v_proj='attn_v', o_proj='attn_output',
+                  attn_sub_norm='attn_sub_norm', post_attention_layernorm='ffn_norm', gate_proj='ffn_gate',
+                  up_proj='ffn_up', down_proj='ffn_down', ffn_sub_norm='ffn_sub_norm')
+GGUF_TERNARY = {'tq2_0': (pack_tq2_0, 35), 'tq1_0': (pack_tq1_0, 34)}  # packer, ggml type
+GGUF_FILE_TYPE = {torch.float32: 0, torch.float16: 1, 'tq1_0': 36, 'tq2_0': 37}  # llama.h's LLAMA_FTYPE_*
+
+
+def write_gguf(path, kv, tensors):
+    """GGUF v3 as llama.cpp's ggml/src/gguf.cpp reads it: magic, version, counts; the key-values,
+    each typed (ints as uint32, floats as float32, lists of strings or int32); each tensor's name,
+    dims innermost first, ggml type and offset; then the data, each tensor aligned to 32 bytes.
+    Written under a temporary name and renamed, so a failed export leaves no half file."""
+    def string(s):
+        return struct.pack('<Q', len(s.encode())) + s.encode()
+
+    def value(v):  # -> GGUF type id, bytes
+        if isinstance(v, (bool, int, float, str)):
+            kind = {bool: 7, int: 4, float: 6, str: 8}[type(v)]
+            return kind, string(v) if kind == 8 else struct.pack({7: '?', 4: '<I', 6: '<f'}[kind], v)
+        kind = 5 if v and isinstance(v[0], int) else 8
+        items = b''.join(string(x) for x in v) if kind == 8 else struct.pack(f'<{len(v)}i', *v)
+        return 9, struct.pack('<IQ', kind, len(v)) + items
+
+    head, offset = [struct.pack('<IIQQ', 0x46554747, 3, len(tensors), len(kv))], 0
+    for k, v in kv.items():
+        kind, data = value(v)
+        head.append(string(k) + struct.pack('<I', kind) + data)
+    for name, kind, shape, data in tensors:
+        head.append(string(name) + struct.pack(f'<I{len(shape)}QIQ', len(shape), *reversed(shape), kind, offset))
+        offset += -(-len(data) // 32) * 32
+    head = b''.join(head)
+    with open(path + '.tmp', 'wb') as f:
+        f.write(head + bytes(-len(head) % 32))
+        for *_, data in tensors:
+            f.write(data + bytes(-len(data) % 32))
+    os.replace(path + '.tmp', path)
+
 HF_KEYS = dict(vocab_size='vocab_size', n_layer='num_hidden_layers', n_embd='hidden_size',
                n_head='num_attention_heads', n_kv_head='num_key_value_heads', head_dim='head_dim',
                intermediate_size='intermediate_size', norm_eps='rms_norm_eps',
@@ -334,7 +429,7 @@ def config_from_hf(hf):
     if kind == 'bitnet' and (mode not in ('online', 'offline') or linear not in ('autobitlinear', 'bitlinear')
                              or quant.get('use_rms_norm')):
         raise ValueError(f"BitNet quantization_config {quant} is not supported; use linear_class 'autobitlinear' "
-                         "or 'bitlinear', quantization_mode 'online' or 'offline', and no use_rms_norm")
+                         "or 'bitlinear', quantization_mode 'online' or 'offline', no use_rms_norm")
     kw = {ours: hf[theirs] for ours, theirs in HF_KEYS.items() if hf.get(theirs) is not None}
     kw['rope_theta'] = float(rope.get('rope_theta', hf.get('rope_theta', 10000.0)))
     kw.setdefault('tie_embeddings', False)  # the Llama default
@@ -354,8 +449,8 @@ def config_to_hf(cfg, dtype):
         hf.update(model_type='bitnet', architectures=['BitNetForCausalLM'],
                   quantization_config={'quant_method': 'bitnet', 'linear_class': 'autobitlinear',
                                        'quantization_mode': 'offline' if cfg.packed else 'online'})
-        if cfg.lrc_rank:  # transformers has no low-rank corrections and would drop them without a word:
+        if cfg.lrc_rank:  # transformers has no low-rank corrections and would drop them silently:
             hf.update(model_type='bitnet_lrc', architectures=['BitNetLRCForCausalLM'])  # a type it refuses
     elif cfg.subln:
-        raise ValueError("an fp model with SubLN has no transformers class; convert it to BitNet first")
+        raise ValueError("an fp model with SubLN has no transformers class; convert it to BitNet")
     return hf

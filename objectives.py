@@ -369,8 +369,8 @@ class ObjectiveManager:
 # -----------------------------------------------------------------------------
 # optimisation: what a training step needs besides the losses, each a plain function of its inputs
 # (parameter groups, AdamW or Muon (Jordan et al. 2024) with ZeRO-1 (Rajbhandari et al. 2020), the
-# LR schedules beside the curriculum, ZClip (Kumar et al. 2025), the LR range test (Smith 2017) and
-# auto batch size), so that train.py stays a spine and each piece is tested alone
+# LR schedules beside the curriculum, ZClip (Kumar et al. 2025), the LR range test (Smith 2017),
+# auto batch size, and the scores that remix a data mixture (data.Loader.reweight)), so that train.py stays a spine and each piece is tested alone
 
 SCHEDULES = ('cosine', 'linear', 'constant', 'wsd', 'two_stage')
 
@@ -493,3 +493,23 @@ def auto_batch_size(try_batch, start):
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()
     return 1
+
+
+def source_scores(model, loss_fn, batches, val_batches):
+    """Influence-based remixing's score of each source: the cosine between the gradient of
+    the loss on its batch and the gradient of the val loss. loss_fn(model, batch) returns a
+    scalar; batches is {name: batch} (Loader.source_batches()), val_batches a list. The
+    model's gradients are cleared after, so call it between optimizer steps. Under DDP pass
+    the wrapped model: its gradients, hence the scores and the weights, agree on every rank."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def grad(bs):
+        model.zero_grad(set_to_none=True)
+        for b in bs:
+            loss_fn(model, b).backward()
+        return torch.cat([torch.zeros(p.numel(), device=p.device) if p.grad is None else p.grad.flatten().float() for p in params])
+
+    g_val = grad(val_batches)
+    scores = {name: F.cosine_similarity(grad([b]), g_val, dim=0).item() for name, b in batches.items()}
+    model.zero_grad(set_to_none=True)
+    return scores

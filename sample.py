@@ -3,12 +3,16 @@ Generate text from a checkpoint:
 
     python sample.py                          # the latest checkpoint in out/
     python sample.py --ckpt=out/ckpt_0000300 --prompt="def " --num_tokens=200
+    python sample.py --ckpt=out --export=model.gguf  # write it for llama.cpp instead
 
 `ckpt` is a checkpoint directory written by train.py or any Hugging Face Llama/BitNet
 directory; an out_dir picks its latest checkpoint. A ternary model runs packed (2-bit weights
 and the int8 kernels of kernels.py) unless --packed=False. Prints the text, the decode speed
-and the memory the weights take.
+and the memory the weights take. --export=FILE writes the checkpoint as a GGUF file that
+llama.cpp runs (a ternary model in its `bitnet` architecture: model.save_gguf), with the
+tokenizer and, when the checkpoint has one, its chat template (data.gguf_vocab).
 """
+import json
 import os
 import sys
 import time
@@ -16,7 +20,7 @@ import time
 import torch
 
 from configurator import configure
-from data import chat_prompt, chat_template, get_tokenizer, resolve_model
+from data import chat_prompt, chat_template, get_tokenizer, gguf_vocab, resolve_model
 from model import Transformer
 
 ckpt = 'out'
@@ -29,6 +33,9 @@ seed = 1337
 tokenizer = ''  # '' is the checkpoint's own: its tokenizer.json, or the one it was trained with
 packed = True  # run ternary checkpoints on their 2-bit weights (False: fp latent weights, fake-quantized)
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
+export = ''            # a path: write the checkpoint there as GGUF for llama.cpp instead of sampling
+export_ternary = 'tq2_0'  # GGUF type of the ternary matrices: 'tq2_0', or 'tq1_0' (smaller, slower)
+export_dtype = 'float32'  # of the GGUF's embedding (and head): 'float32' or 'float16'
 config = configure({k: v for k, v in globals().items() if not k.startswith('_') and
                     isinstance(v, (int, float, str))}, sys.argv[1:])
 globals().update(config)
@@ -57,6 +64,18 @@ try:
     ids = chat_prompt(enc, prompt) if chat else enc.encode_ordinary(prompt)
 except (OSError, ValueError) as e:
     sys.exit(f"error: tokenizer {tokenizer!r}: {e}")
+
+if export:
+    jinja, tok_config = (os.path.join(ckpt, f) for f in ('chat_template.jinja', 'tokenizer_config.json'))
+    template = open(jinja).read() if os.path.exists(jinja) else \
+        json.load(open(tok_config)).get('chat_template') if os.path.exists(tok_config) else None
+    try:
+        vocab = gguf_vocab(enc, model.config.vocab_size)
+        vocab.update({'tokenizer.chat_template': template} if isinstance(template, str) else {})
+        model.save_gguf(export, vocab, export_ternary, getattr(torch, export_dtype, None))
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot export {ckpt!r} to GGUF: {e}")
+    sys.exit(print(f"wrote {export}: {os.path.getsize(export) / 2**20:.1f} MiB"))
 
 torch.manual_seed(seed)
 idx = torch.tensor([ids], device=device)

