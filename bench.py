@@ -1,7 +1,8 @@
 """
 The benchmarks behind every speed claim in the README, as ratios measured side by side in one run:
 
-    python bench.py kernels   # the packed ternary matmul against its peers, and decode tokens/s
+    python bench.py kernels   # the packed ternary matmul against its peers
+    python bench.py decode    # tokens/s of ours (fp32, packed) and llama.cpp on the same weights
     python bench.py train     # a training step: ours, the fake-quant reference, fp32, transformers
     python bench.py curve     # 200 training steps, the int8 path vs the fake-quant reference (minutes)
     python bench.py distill   # SmolLM2-135M-Instruct made ternary, one train.py run per recipe (about 1.5 h)
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 
 import kernels
 from bitlinear import BitLinear
-from data import get_batch, get_tokenizer, offline_corpus
+from data import get_batch, get_tokenizer, gguf_vocab, offline_corpus
 from model import ModelConfig, Transformer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'tests'))
@@ -119,20 +120,55 @@ def bench_matmul():
                   f" {N * K / 4 / cyc / 1e6:5.1f} {t['fp32', 0] / cyc:7.1f}x {t[peer, 0] / cyc:8.1f}x")
 
 
+def llama_cpp_run(llm, idx, new):
+    """What Transformer.generate(idx, new, temperature=0) does, in llama.cpp."""
+    llm.reset()
+    llm.eval(idx)
+    for _ in range(new - 1):
+        llm.eval([int(llm.scores[llm.n_tokens - 1].argmax())])
+
+
 @torch.no_grad()
-def bench_decode(prompt=16, new=32):
-    # the shape of SmolLM2-360M: the same random model decoded in fp32, then frozen to 2 bits
-    cfg = ModelConfig(vocab_size=49152, n_layer=32, n_embd=960, n_head=15, n_kv_head=5, intermediate_size=2560,
-                      max_seq_len=256)
-    fp = Transformer(cfg).to(device).eval()
-    packed = copy.deepcopy(fp).to_bitnet().freeze()
-    idx = torch.randint(cfg.vocab_size, (1, prompt), device=device)
-    t = timeit({m: (lambda m: m.generate(idx, new, temperature=0), [(m,)]) for m in (fp, packed)}, reps=3, calls=1)
-    rows = [(kind, weight_mib(m), 1e3 * new / t[m]) for kind, m in (('fp32', fp), ('packed ternary', packed))]
-    print(f"\ndecode, {cfg.n_layer} layers x {cfg.n_embd} wide, vocab {cfg.vocab_size}, "
-          f"{prompt}-token prompt + {new} new, greedy, batch 1")
-    for kind, mib, tps in rows:
-        print(f"{kind:>15}: weights {mib:7.1f} MiB, {tps:6.1f} tokens/s, {tps / rows[0][2]:4.1f}x")
+def bench_decode(prompt=128, new=32):
+    """Greedy decode and prefill at batch 1 on 2 threads: our model in fp32 and packed, and llama.cpp
+    (llama-cpp-python, a test-only extra) on our GGUF exports of the same ternary weights, TQ2_0 and
+    TQ1_0, and on Q4_0 requantized from them by llama.cpp; each its weight bytes."""
+    try:
+        import llama_cpp
+    except ImportError:
+        llama_cpp = None
+        print("\n(llama-cpp-python is not installed: the llama.cpp rows are left out)")
+    torch.set_num_threads(2)
+    cfg = ModelConfig(vocab_size=32000, n_layer=16, n_embd=2048, n_head=16, n_kv_head=16, intermediate_size=5120,
+                      max_seq_len=prompt + new)  # ~0.8B, every dimension a multiple of 256
+    src = smollm2()
+    for name, fp, enc in (('~0.8B Llama, random', Transformer(cfg), get_tokenizer('bytes')),
+                          ('SmolLM2-135M-Instruct', Transformer.from_pretrained(src), get_tokenizer(src))):
+        fp.eval()
+        packed = copy.deepcopy(fp).to_bitnet().freeze()
+        long, one = torch.randint(enc.n_vocab, (1, prompt)), torch.randint(enc.n_vocab, (1, 1))
+        cases = {k: (lambda m, x: m.generate(x, 1 if x is long else new, temperature=0), [(m, x)])
+                 for m, kind in ((fp, 'ours fp32'), (packed, 'ours packed')) for k, x in (((kind, 0), long), ((kind, 1), one))}
+        sizes = {'ours fp32': weight_mib(fp), 'ours packed': weight_mib(packed)}
+        tmp = tempfile.mkdtemp()
+        for kind in ('tq2_0', 'tq1_0', 'q4_0') if llama_cpp else ():
+            path = os.path.join(tmp, kind + '.gguf')
+            if kind == 'q4_0':  # llama.cpp's own quantizer, from the exact TQ2_0 export
+                params = llama_cpp.llama_model_quantize_default_params()
+                params.ftype, params.allow_requantize, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, True, 2
+                llama_cpp.llama_model_quantize(os.path.join(tmp, 'tq2_0.gguf').encode(), path.encode(), params)
+            else:
+                packed.save_gguf(path, gguf_vocab(enc, fp.config.vocab_size), kind)
+            llm = llama_cpp.Llama(path, n_ctx=prompt + new, n_batch=prompt, n_threads=2, verbose=False)
+            key, sizes[key] = f'llama.cpp {kind.upper()}', os.path.getsize(path) / 2**20
+            cases.update({(key, 0): (lambda m, x: llama_cpp_run(m, x, 1), [(llm, long[0].tolist())]),
+                          (key, 1): (lambda m, x: llama_cpp_run(m, x, new), [(llm, one[0].tolist())])})
+        t = timeit(cases, reps=3, calls=1)
+        print(f"\n{name} ({fp.num_params() / 1e6:.0f}M), batch 1, 2 threads: prefill of {prompt} tokens, "
+              f"greedy decode of {new}")
+        print(f"{'':>17} {'weights MiB':>11} {'prefill tok/s':>13} {'decode tok/s':>12}")
+        for kind, mib in sizes.items():
+            print(f"{kind:>17} {mib:11.1f} {1e3 * prompt / t[kind, 0]:13.1f} {1e3 * new / t[kind, 1]:12.1f}")
 
 
 def use_reference(model, on=True):
@@ -316,8 +352,8 @@ def bench_distill(out='out-distill'):
 
 
 if __name__ == '__main__':
-    sections = {'kernels': (bench_matmul, bench_decode), 'train': (bench_train,), 'curve': (bench_curve,),
-                'distill': (bench_distill,)}
+    sections = {'kernels': (bench_matmul,), 'decode': (bench_decode,), 'train': (bench_train,),
+                'curve': (bench_curve,), 'distill': (bench_distill,)}
     which = sys.argv[1:] or list(sections)
     if any(s not in sections for s in which):
         sys.exit(f"error: unknown section in {which}; choose from {list(sections)}")

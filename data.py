@@ -39,7 +39,7 @@ import hashlib
 import itertools
 import json
 import math
-import multiprocessing
+import multiprocessing as mp
 import os
 import re
 import time
@@ -100,15 +100,15 @@ def hf_encoding(path):
     with open(path, encoding='utf-8') as f:
         tj = json.load(f)
     model = tj.get('model', {})
-    unsupported = (f"{path}: only byte-level BPE tokenizer.json files (GPT-2, Llama 3, SmolLM2 style) can be "
-                   f"converted; use one of those, a tiktoken name or 'bytes'")
+    unsupported = (f"{path}: only a byte-level BPE tokenizer.json (GPT-2, Llama 3, SmolLM2 style) "
+                   f"can be converted; use one of those, a tiktoken name or 'bytes'")
     if model.get('type') != 'BPE' or tj.get('normalizer') or model.get('byte_fallback') or model.get('continuing_subword_prefix'):
         raise ValueError(f"{unsupported}; this one is {model.get('type')} with normalizer {(tj.get('normalizer') or {}).get('type')}")
     pattern = pre_tokenizer_pattern(tj.get('pre_tokenizer'), unsupported)
     added = {t['content']: t['id'] for t in tj.get('added_tokens', [])}
-    byte_of = {c: b for b, c in byte_alphabet().items()}
+    byte = {c: b for b, c in byte_alphabet().items()}
     try:
-        ranks = {bytes(byte_of[c] for c in tok): i for tok, i in model['vocab'].items() if tok not in added}
+        ranks = {bytes(byte[c] for c in t): i for t, i in model['vocab'].items() if t not in added}
     except KeyError:
         raise ValueError(f"{unsupported}; its vocabulary is not byte-level") from None
     # tiktoken merges the adjacent pair whose concatenation has the lowest id; that is the
@@ -128,19 +128,19 @@ def get_tokenizer(name):
         try:
             return tiktoken.get_encoding(name)
         except requests.RequestException as e:  # tiktoken fetches its files once, then caches them
-            raise DownloadError(f"tiktoken could not download {name!r} ({type(e).__name__}); connect once, or set "
-                                f"TIKTOKEN_CACHE_DIR to a folder holding its files") from None
+            raise DownloadError(f"tiktoken cannot fetch {name!r} ({type(e).__name__}); connect once"
+                                f", or set TIKTOKEN_CACHE_DIR to a folder with its files") from None
     path = os.path.join(name, 'tokenizer.json') if os.path.isdir(name) else name
     if os.path.isfile(path):
         return hf_encoding(path)
     if re.fullmatch(r'[\w.-]+/[\w.-]+', name):
         return hf_encoding(hub_download(name, 'tokenizer.json'))
-    raise ValueError(f"unknown tokenizer {name!r}; use 'bytes', one of {tiktoken.list_encoding_names()}, "
-                     f"a tokenizer.json (or its directory) or a hub model id")
+    raise ValueError(f"unknown tokenizer {name!r}; use 'bytes', a tokenizer.json (or its folder), "
+                     f"a hub model id or one of {tiktoken.list_encoding_names()}")
 
 
 def same_encoding(a, b):
-    """Whether two tokenizers give the same ids, judged on a probe of text, digits, code, unicode."""
+    """Whether two tokenizers give the same ids on a probe of text, digits, code and unicode."""
     probe = 'The year 2024: def f(x):\n\treturn x ** 2  # naïve café, 東京 🚀' * 2
     return a.n_vocab == b.n_vocab and a.special_tokens_set == b.special_tokens_set and \
         a.encode_ordinary(probe) == b.encode_ordinary(probe)
@@ -151,7 +151,7 @@ def eos_id(enc):
     for name in EOS_NAMES:
         if name in enc.special_tokens_set:
             return enc.encode_single_token(name)
-    raise ValueError(f"tokenizer {enc.name!r} has none of the end-of-text tokens {EOS_NAMES}; use one that has")
+    raise ValueError(f"tokenizer {enc.name!r} has no end-of-text token {EOS_NAMES}; use another")
 
 
 
@@ -167,23 +167,23 @@ def gguf_vocab(enc, vocab_size):
     if enc._pat_str not in LLAMA_CPP_PRE:
         raise ValueError(f"tokenizer {enc.name!r}: llama.cpp has no pre-tokenizer for its regex; "
                          f"use a GPT-2, SmolLM2 or Llama 3 style tokenizer")
-    alphabet, special = byte_alphabet(), {enc.encode_single_token(s) for s in enc.special_tokens_set}
+    glyph, special = byte_alphabet(), {enc.encode_single_token(s) for s in enc.special_tokens_set}
     ranks = {enc.decode_single_token_bytes(i): i for i in range(enc.n_vocab) if i not in special}
-    spell = lambda b: ''.join(alphabet[c] for c in b)
+    spell = lambda b: ''.join(glyph[c] for c in b)
     types = [5 if i >= enc.n_vocab else 3 if i in special else 1 for i in range(vocab_size)]
     tokens = [f'[PAD{i}]' if t == 5 else enc.decode_single_token_bytes(i).decode() if t == 3
               else spell(enc.decode_single_token_bytes(i)) for i, t in enumerate(types)]
     merges = []
     for token in ranks:  # in id order, which is rank order
-        parts = [token[i:i + 1] for i in range(len(token))]
-        while len(parts) > 2:  # merge the lowest-ranked pair, as tiktoken does
-            i = min(range(len(parts) - 1), key=lambda j: ranks.get(parts[j] + parts[j + 1], math.inf))
-            parts[i:i + 2] = [parts[i] + parts[i + 1]]
-        if len(parts) == 2:
-            merges.append(spell(parts[0]) + ' ' + spell(parts[1]))
+        segs = [token[i:i + 1] for i in range(len(token))]
+        while len(segs) > 2:  # merge the lowest-ranked pair, as tiktoken does
+            i = min(range(len(segs) - 1), key=lambda j: ranks.get(segs[j] + segs[j + 1], math.inf))
+            segs[i:i + 2] = [segs[i] + segs[i + 1]]
+        if len(segs) == 2:
+            merges.append(spell(segs[0]) + ' ' + spell(segs[1]))
     return {'tokenizer.ggml.model': 'gpt2', 'tokenizer.ggml.pre': LLAMA_CPP_PRE[enc._pat_str],
-            'tokenizer.ggml.tokens': tokens, 'tokenizer.ggml.token_type': types, 'tokenizer.ggml.merges': merges,
-            'tokenizer.ggml.add_bos_token': False}
+            'tokenizer.ggml.tokens': tokens, 'tokenizer.ggml.token_type': types,
+            'tokenizer.ggml.merges': merges, 'tokenizer.ggml.add_bos_token': False}
 
 
 # -----------------------------------------------------------------------------
@@ -198,7 +198,7 @@ class DownloadError(OSError):
 
 
 def cache_dir():
-    return os.environ.get('NANOBITNET_CACHE') or os.path.join(os.path.expanduser('~'), '.cache', 'nanobitnet')
+    return os.environ.get('NANOBITNET_CACHE') or os.path.expanduser('~/.cache/nanobitnet')
 
 
 def local_rank():
@@ -210,7 +210,7 @@ def wait_for(path, what, timeout):
     deadline = time.time() + timeout
     while not os.path.exists(path):
         if time.time() > deadline:
-            raise TimeoutError(f"waited {timeout:.0f}s for local rank 0 to {what}; see rank 0's error")
+            raise TimeoutError(f"waited {timeout:.0f}s for local rank 0 to {what}; see its error")
         time.sleep(0.2)
     return path
 
@@ -223,7 +223,7 @@ def download(url, dest, timeout=60, wait=3600, tries=3):
         return wait_for(dest, f"download {url}", wait)
     local = "or download it yourself and pass its local path"
     if os.environ.get('HF_HUB_OFFLINE', '0') not in ('0', ''):
-        raise DownloadError(f"{url} is not in the cache ({dest}) and HF_HUB_OFFLINE is set; unset it, {local}")
+        raise DownloadError(f"{url} is not at {dest} and HF_HUB_OFFLINE is set; unset it, {local}")
     os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
     part, auth = dest + '.part', {'Authorization': f"Bearer {os.environ['HF_TOKEN']}"} if os.environ.get('HF_TOKEN') else {}
     for attempt in range(tries):
@@ -234,31 +234,32 @@ def download(url, dest, timeout=60, wait=3600, tries=3):
                 # the hub names an LFS file's sha256 in X-Linked-Etag (on the redirect) or ETag
                 tags = [h.headers.get(k, '').strip('W/"') for h in (*r.history, r) for k in ('X-Linked-Etag', 'ETag')]
                 sha = next((t for t in tags if re.fullmatch('[0-9a-f]{64}', t)), None)
-                if r.status_code in (401, 403):
-                    raise DownloadError(f"{url}: HTTP {r.status_code}, not authorized; the repo may be gated or private: "
-                                        f"set HF_TOKEN to a token that can read it, {local}", r.status_code)
-                if r.status_code == 404:
+                code = r.status_code
+                if code in (401, 403):
+                    raise DownloadError(f"{url}: HTTP {code}, not authorized; gated/private repo? "
+                                        f"set HF_TOKEN to a token that can read it, {local}", code)
+                if code == 404:
                     raise DownloadError(f"{url}: HTTP 404, not found; check the repo id, revision and file name, {local}", 404)
-                if r.status_code == 416:
-                    break  # the part already holds the whole file: a crash came between the end and the rename
-                if r.status_code >= 400:
-                    raise DownloadError(f"{url}: HTTP {r.status_code}; try again later, {local}", r.status_code)
-                with open(part, 'ab' if r.status_code == 206 else 'wb') as f:  # 200: the server ignored the Range
+                if code == 416:
+                    break  # the part already holds the whole file: a crash came before the rename
+                if code >= 400:
+                    raise DownloadError(f"{url}: HTTP {code}; try again later, {local}", code)
+                with open(part, 'ab' if code == 206 else 'wb') as f:  # 200: the Range was ignored
                     for chunk in r.iter_content(1 << 16):
                         f.write(chunk)
             break
         except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as e:
-            error = e  # a cut transfer: the next try resumes from what arrived
+            err = type(e).__name__  # a cut transfer: the next try resumes from what arrived
             time.sleep(attempt)
     else:
-        raise DownloadError(f"cannot download {url} ({type(error).__name__}); check the network or HF_ENDPOINT, {local}")
+        raise DownloadError(f"cannot download {url} ({err}); check network, HF_ENDPOINT, {local}")
     if sha:
         with open(part, 'rb') as f:
             got = hashlib.file_digest(f, 'sha256').hexdigest()
         if got != sha:
             os.remove(part)
-            raise DownloadError(f"{url}: sha256 {got[:16]}... is not the hub's {sha[:16]}...; the corrupt file was "
-                                f"deleted, run again")
+            raise DownloadError(f"{url}: sha256 {got[:16]}... is not the hub's {sha[:16]}...; "
+                                f"the corrupt file was deleted, run again")
     os.replace(part, dest)
     return dest
 
@@ -275,7 +276,7 @@ def hub_download(repo_id, filename, repo_type='model', revision='main'):
 
 
 def fetch(src, folder=None):
-    """A data file given as a local path, an https:// URL, or hf://datasets/owner/name[@revision]/file
+    """A data file given as a local path, a URL, or hf://datasets/owner/name[@revision]/file
     (hf://owner/name/file for a model repo): its local path, downloaded (into folder) if need be."""
     m = re.fullmatch(r'hf://(datasets/)?([^/@]+/[^/@]+)(?:@([^/]+))?/(.+)', src)
     if m:
@@ -296,7 +297,7 @@ def resolve_model(src, revision='main'):
     if os.path.isdir(src):
         return src
     if not re.fullmatch(r'[\w.-]+/[\w.-]+', src):
-        raise FileNotFoundError(f"{src!r} is neither a model directory nor a hub id like HuggingFaceTB/SmolLM2-135M")
+        raise FileNotFoundError(f"{src!r} is neither a model directory nor a hub id (owner/name)")
     folder = os.path.join(cache_dir(), 'models', src, revision)
     done = os.path.join(folder, '.complete')  # which files exist is known only to rank 0
     if os.path.exists(done) or local_rank() != 0:
@@ -359,7 +360,7 @@ def shard_paths(folder, split):
 # preparing text, jsonl and chat jsonl into shards
 
 # (turn start, after the role, turn end, after the turn); the first one whose special tokens exist
-CHAT_TEMPLATES = (('<|im_start|>', '\n', '<|im_end|>', '\n'),  # ChatML: SmolLM2, Qwen, the byte encoding
+CHAT_TEMPLATES = (('<|im_start|>', '\n', '<|im_end|>', '\n'),  # ChatML: SmolLM2, Qwen, 'bytes'
                   ('<|start_header_id|>', '<|end_header_id|>\n\n', '<|eot_id|>', ''))  # Llama 3
 ROLES = {'human': 'user', 'gpt': 'assistant'}  # ShareGPT's names
 UNIT = 1 << 18  # characters of text per work unit sent to a tokenizing process
@@ -372,8 +373,8 @@ def chat_template(enc):
     for template in CHAT_TEMPLATES:
         if set(re.findall(r'<\|\w+\|>', ''.join(template))) <= enc.special_tokens_set:
             return template
-    raise ValueError(f"tokenizer {enc.name!r} has no chat tokens (ChatML's <|im_start|> <|im_end|> or Llama 3's "
-                     f"headers); use 'bytes' or a tokenizer that has them")
+    raise ValueError(f"tokenizer {enc.name!r} has no chat tokens (ChatML's <|im_start|> <|im_end|> "
+                     f"or Llama 3's headers); use 'bytes' or a tokenizer that has them")
 
 
 def chat_turns(row):
@@ -399,15 +400,15 @@ def render_chat(enc, turns, template=None):
     start, role_end, end, after = template or chat_template(enc)
     tokens, mask = [eos_id(enc)], [0]
     for role, text in turns:
-        head = start + role + role_end
-        cut = max(head.rfind(s) + len(s) for s in enc.special_tokens_set if s in head)  # after its last special
+        head = start + role + role_end  # cut goes after its last special token
+        cut = max(head.rfind(s) + len(s) for s in enc.special_tokens_set if s in head)
         special, body = enc.encode(head[:cut], allowed_special='all'), enc.encode_ordinary(head[cut:] + text)
-        ends = (enc.decode_with_offsets(body)[1] + [len(head) - cut + len(text)])[1:]  # where each token ends
+        ends = (enc.decode_with_offsets(body)[1] + [len(head) - cut + len(text)])[1:]  # token ends
         tail = [enc.encode_single_token(end)] + enc.encode_ordinary(after)
         tokens += special + body + tail
         answer = role == 'assistant'
-        mask += [0] * len(special) + [int(answer and e > len(head) - cut) for e in ends] + [int(answer)] + \
-            [0] * (len(tail) - 1)
+        mask += [0] * len(special) + [int(answer and e > len(head) - cut) for e in ends] + \
+            [int(answer)] + [0] * (len(tail) - 1)
     return tokens, mask
 
 
@@ -436,7 +437,7 @@ def _tokenize(unit):
             continue
         row = json.loads(raw) if fmt == 'jsonl' else {field: raw}
         if field not in row:
-            raise ValueError(f"a jsonl line has no field {field!r} (it has {sorted(row)}); set text_field")
+            raise ValueError(f"a jsonl line has no field {field!r} ({sorted(row)}); set text_field")
         # encode_to_numpy skips building a Python list; disallowed_special=() reads any
         # special token's text in a document as ordinary text, like encode_ordinary
         parts += [np.array([eos] * new, np.uint32), enc.encode_to_numpy(row[field], disallowed_special=())]
@@ -445,7 +446,7 @@ def _tokenize(unit):
 
 
 def _documents(path, fmt):
-    """A file's documents: one per jsonl line, or text between <|endoftext|> markers (TinyStories)."""
+    """A file's documents: jsonl lines, or text between <|endoftext|> markers (TinyStories)."""
     with open(path, encoding='utf-8') as f:
         if fmt != 'text':
             yield from (line for line in f if line.strip())
@@ -466,11 +467,11 @@ def _units(files, val_files, val_every, fmt):
         for doc in _documents(path, fmt):
             n += 1
             s = 'val' if split == 'val' or (not val_files and n % val_every == 0) else 'train'
-            start = 0
-            while fmt == 'text' and len(doc) - start > UNIT and (cut := CUT.search(doc, start + UNIT)):
-                buffers[s].append((start == 0, doc[start:cut.end()]))
-                start = cut.end()
-            buffers[s].append((start == 0, doc[start:]))
+            pos = 0
+            while fmt == 'text' and len(doc) - pos > UNIT and (cut := CUT.search(doc, pos + UNIT)):
+                buffers[s].append((pos == 0, doc[pos:cut.end()]))
+                pos = cut.end()
+            buffers[s].append((pos == 0, doc[pos:]))
             sizes[s] += len(doc)
             if sizes[s] >= UNIT:
                 yield s, buffers[s]
@@ -502,8 +503,8 @@ class _Writer:
         self.parts, self.n, self.shards = [tokens[n:]], self.n - n, self.shards + 1
 
 
-def prepare(files, folder, tokenizer='bytes', fmt='text', val_files=(), val_every=100, text_field='text',
-            shard_tokens=10 ** 8, workers=None):
+def prepare(files, folder, tokenizer='bytes', fmt='text', val_files=(), val_every=100,
+            text_field='text', shard_tokens=10 ** 8, workers=None):
     """Tokenize `files` into shards folder/train_*.bin and val_*.bin (and *.mask for chats) on
     `workers` processes. fmt 'text': documents separated by <|endoftext|>; 'jsonl': one
     document per line, in text_field; 'chat': one conversation per line (messages, ShareGPT
@@ -511,23 +512,23 @@ def prepare(files, folder, tokenizer='bytes', fmt='text', val_files=(), val_ever
     else every val_every-th document. Returns the token count of each split."""
     if fmt not in ('text', 'jsonl', 'chat'):
         raise ValueError(f"data format {fmt!r} unknown; use 'text', 'jsonl' or 'chat' (or 'tokens' for ready shards)")
-    if shard_paths(folder, 'train') or shard_paths(folder, 'val'):  # old shards would mix with the new ones
-        raise FileExistsError(f"{folder} already holds token shards; delete them or prepare into another folder")
+    if shard_paths(folder, 'train') or shard_paths(folder, 'val'):  # old and new would mix
+        raise FileExistsError(f"{folder} already holds token shards; delete them or use another")
     os.makedirs(folder, exist_ok=True)
     writers = {s: _Writer(folder, s, shard_tokens) for s in ('train', 'val')}
-    t0, chars, shown, pending, workers = time.time(), 0, time.time(), deque(), workers or os.cpu_count()
+    t0, chars, last, jobs, workers = time.time(), 0, time.time(), deque(), workers or os.cpu_count()
     # fork, not spawn: spawn would re-run the calling script (train.py has no main guard)
-    with multiprocessing.get_context('fork').Pool(workers, _start_worker, (tokenizer, fmt, text_field)) as pool:
+    with mp.get_context('fork').Pool(workers, _start_worker, (tokenizer, fmt, text_field)) as pool:
         for unit in itertools.chain(_units(files, val_files, val_every, fmt), [None]):
             if unit:  # keep a few units in flight: the workers stay busy and memory stays bounded
-                pending.append(pool.apply_async(_tokenize, (unit,)))
-            while pending and (len(pending) > 2 * workers or unit is None):
-                split, n, tokens, mask = pending.popleft().get()
+                jobs.append(pool.apply_async(_tokenize, (unit,)))
+            while jobs and (len(jobs) > 2 * workers or unit is None):
+                split, n, tokens, mask = jobs.popleft().get()
                 writers[split].add(tokens, mask)
                 chars += n
-                if time.time() - shown > 10:
+                if time.time() - last > 10:
                     print(f"prepare: {chars / 1e6:.0f}M characters, {chars / 1e6 / (time.time() - t0):.1f}M/s", flush=True)
-                    shown = time.time()
+                    last = time.time()
     counts = {}
     for split, w in writers.items():
         counts[split] = w.shards * shard_tokens + w.n
@@ -626,7 +627,7 @@ class Loader:
         return {'x': x, 'y': y, 'source': torch.tensor(picks)}
 
     def next_batch(self):
-        rng = np.random.default_rng([self.seed, self.rank, self.count])  # seeded by the count: nothing else to save
+        rng = np.random.default_rng([self.seed, self.rank, self.count])  # so no RNG state to save
         self.count += 1
         return self._batch(rng.choice(len(self.streams), self.B, p=self.weights).tolist())
 

@@ -11,6 +11,8 @@ The script reads top to bottom like nanoGPT's: settings, DDP, data, model, objec
 optimizer, the loop. A checkpoint is a Hugging Face directory (transformers opens it) plus
 train_state.pt, which holds everything else a resumed run needs to continue bit for bit.
 """
+import errno
+import hashlib
 import json
 import math
 import os
@@ -22,12 +24,13 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bitlinear import set_lambda
 from configurator import configure
-from data import (Loader, eos_id, get_batch, get_tokenizer, offline_corpus, resolve_model, same_encoding,
-                  setup_data)
+from data import (Loader, eos_id, get_batch, get_tokenizer, offline_corpus, resolve_model,
+                  same_encoding, setup_data)
 from model import ModelConfig, Transformer
 from objectives import (IGNORE, OBJECTIVES, SCHEDULES, CurriculumScheduler, LocalTeacher, ObjectiveManager,
                         RemoteTeacher, ZClip, auto_batch_size, ce_loss, lr_factor, lr_range_test,
@@ -38,11 +41,11 @@ _imported = set(globals())  # everything defined below, up to the ruler, is a se
 # default settings: a tiny ternary model on the offline corpus, trained on the CPU
 # I/O
 out_dir = 'out'
-init_from = 'scratch'  # 'scratch', 'resume' (the last checkpoint in out_dir), an HF checkpoint dir or hub id
-eval_interval = 50     # evaluate on val every this many optimizer steps (and at the end)
+init_from = 'scratch'  # 'scratch', 'resume' (out_dir's last checkpoint), an HF model dir or hub id
+eval_interval = 125    # evaluate on val every this many optimizer steps (and at the end)
 eval_iters = 20        # batches per evaluation
 log_interval = 10
-ckpt_interval = 0      # also checkpoint every this many steps; 0: only on val improvement and at the end
+ckpt_interval = 0      # also save every this many steps; 0: only on val improvement and at the end
 keep_last = 2          # complete checkpoints to keep, besides the best one
 patience = 0           # early stopping: stop after this many evals without improvement (0: never)
 min_delta = 0.0        # ... where an improvement means a val loss lower by more than this
@@ -51,14 +54,14 @@ eval_prompts = []      # at every eval, the greedy continuation of each is logge
 wandb_log = False
 wandb_project = 'nanobitnet'
 # data
-tokenizer = ''         # '' is the model's own (init_from's tokenizer.json), else 'bytes' (offline); or a
-                       # tiktoken name ('gpt2'), a tokenizer.json or its directory, a hub model id
+tokenizer = ''         # '' is the model's own (init_from's tokenizer.json), else 'bytes' (offline);
+                       # or a tiktoken name ('gpt2'), a tokenizer.json or its dir, a hub model id
 dataset = ''           # a folder of token shards (data.py); '' is the offline corpus
-data_files = {}        # {'train': [...], 'val': [...]}: paths, URLs or hf:// files that make `dataset`, once
-data_format = 'text'   # of data_files: 'text', 'jsonl', 'chat' (SFT: loss on the answers) or 'tokens' (llm.c)
+data_files = {}        # {'train'/'val': [paths, URLs or hf:// files]}: made into `dataset` once
+data_format = 'text'   # data_files: 'text', 'jsonl', 'chat' (SFT: answers' loss), 'tokens' (llm.c)
 text_field = 'text'    # jsonl: the field that holds the text
-mixture = {}           # {name: (folder, weight)}: train on several prepared folders (val stays `dataset`'s)
-remix_interval = 0     # influence-based remixing of the mixture weights every this many steps (0: fixed)
+mixture = {}           # {name: (folder, weight)}: train on prepared folders (val: `dataset`'s)
+remix_interval = 0     # reweigh the mixture by influence every this many steps (0: fixed weights)
 remix_eta = 1.0
 remix_floor = 0.05
 dpo_data = ''          # a jsonl of {prompt, chosen, rejected} for the dpo objective
@@ -75,7 +78,7 @@ act = 'silu'
 rope_theta = 10000.0
 tie_embeddings = True
 bitnet = True          # ternary attention/MLP linears with SubLN; False gives the fp twin
-lambda_warmup = 0.0    # fraction of max_steps over which quantization ramps from fp (0) to ternary (1)
+lambda_warmup = 0.0    # fraction of max_steps for quantization to ramp from fp (0) to ternary (1)
 subln_calib = 4        # converting a pretrained model: batches that calibrate SubLN (0: gain 1)
 lrc_rank = 0           # low-rank correction adapters on every BitLinear (0: none)
 # objectives: name -> settings (see objectives.py), weighed by a curriculum of phases
@@ -83,18 +86,18 @@ lrc_rank = 0           # low-rank correction adapters on every BitLinear (0: non
 objectives = {'ce': {}}
 curriculum = [(1.0, {'ce': 1.0})]
 blend = 'switch'
-teacher = ''           # '' (none), a checkpoint / HF directory (local, frozen), or a vLLM URL http://...
+teacher = ''           # '' (none), a local checkpoint / HF dir (frozen), or a vLLM URL http://...
 teacher_model = ''     # the model name a vLLM teacher serves
 teacher_top_k = 20     # logprobs per position from a vLLM teacher
 # optimizer: AdamW for everything, or Muon for the hidden matrices and AdamW for the rest
 optimizer = 'adamw'    # 'adamw' or 'muon'
-max_steps = 300        # optimizer steps; every schedule below is laid out over them
-learning_rate = 1.5e-3 # the hidden matrices' LR (--lr_find=True suggests 2.15e-3 for the default model)
+max_steps = 750        # optimizer steps; every schedule below is laid out over them
+learning_rate = 3e-3   # the hidden matrices' LR (--lr_find=True suggests one)
 embed_lr = 0.0         # 0: same as learning_rate
 head_lr = 0.0
 scalar_lr = 0.0        # norms and biases
-min_lr = 1.5e-4
-schedule = 'cosine'    # after warmup: 'cosine', 'linear', 'constant', 'wsd', or 'two_stage' (BitNet)
+min_lr = 3e-4
+schedule = 'cosine'    # after warmup: 'cosine', 'linear', 'constant', 'wsd' or 'two_stage' (BitNet)
 warmup_steps = 30
 decay_frac = 0.2       # wsd: the final fraction of steps that decays to min_lr
 weight_decay = 0.1     # two_stage: drops to 0 at the midpoint, with the LR
@@ -129,19 +132,20 @@ if ddp:
         device = f'cuda:{local_rank}'
         torch.cuda.set_device(device)
     if gradient_accumulation_steps % world_size:
-        sys.exit(f"error: gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of "
-                 f"the {world_size} ranks")
-    gradient_accumulation_steps //= world_size  # the global batch stays the same on any number of ranks
+        sys.exit(f"error: gradient_accumulation_steps={gradient_accumulation_steps} "
+                 f"must be a multiple of the {world_size} ranks")
+    gradient_accumulation_steps //= world_size  # the same global batch on any number of ranks
 master = rank == 0  # logs, checkpoints and samples
 device_type = 'cuda' if device.startswith('cuda') else 'cpu'
-ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}.get(dtype)
+ptdtype = {k: getattr(torch, k) for k in ('float32', 'bfloat16', 'float16')}.get(dtype)
 if ptdtype is None:
     sys.exit(f"error: dtype={dtype!r} is not one of float32, bfloat16, float16")
 ctx = nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type, dtype=ptdtype)
 torch.manual_seed(seed + rank)  # not the batches (seeded by step) but e.g. diffusion's masks
 os.makedirs(out_dir, exist_ok=True)
-commit = subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True, cwd=os.path.dirname(
-    os.path.abspath(__file__))).stdout.strip() if shutil.which('git') else ''  # saved with every checkpoint
+commit = subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True,
+                        cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() \
+    if shutil.which('git') else ''  # saved with every checkpoint
 
 
 def checkpoints(folder):
@@ -153,16 +157,43 @@ def checkpoints(folder):
 def model_dir(src):
     """The HF directory behind src: src itself, the latest checkpoint of a run's out_dir, or a hub
     id fetched into the cache (data.py)."""
-    return checkpoints(src)[-1] if not os.path.exists(os.path.join(src, 'config.json')) and checkpoints(src) \
-        else resolve_model(src)
+    ckpts = [] if os.path.exists(os.path.join(src, 'config.json')) else checkpoints(src)
+    return ckpts[-1] if ckpts else resolve_model(src)
 
 
-# the model we start from and its tokenizer: the model's own (the tokenizer.json beside its weights)
-# unless one is named, which must then encode as it does; a resumed run keeps the one it started with
+def damage(ckpt):
+    """What is wrong with a checkpoint, or None: it is complete when every file its manifest.json
+    (written last) names has the size and sha256 it records. A disk can cut or flip bytes later."""
+    try:
+        with open(os.path.join(ckpt, 'manifest.json')) as f:
+            manifest = json.load(f)
+        for name, (size, sha) in manifest.items():
+            with open(os.path.join(ckpt, name), 'rb') as f:
+                if os.fstat(f.fileno()).st_size != size or hashlib.file_digest(f, 'sha256').hexdigest() != sha:
+                    return f"{name} is damaged (its size or sha256 is not the one in manifest.json)"
+    except (OSError, ValueError, TypeError) as e:
+        return f"no readable manifest.json ({type(e).__name__}: {e})"
+
+
+def last_complete(folder):
+    """The newest complete checkpoint in a run's folder; damaged ones are set aside (renamed, not
+    deleted) with a one-line warning, so that the next saves cannot count them as kept."""
+    for ckpt in reversed(checkpoints(folder)):
+        if not (problem := damage(ckpt)):
+            return ckpt
+        if master:
+            os.replace(ckpt, os.path.join(folder, 'damaged_' + os.path.basename(ckpt)))
+            print(f"warning: {ckpt}: {problem}; renamed to damaged_{os.path.basename(ckpt)}, "
+                  f"falling back to the checkpoint before it", file=sys.stderr)
+    sys.exit(f"error: no intact checkpoint left in {folder!r}; start over with --init_from=scratch")
+
+
+# the model we start from and its tokenizer: the model's own (the tokenizer.json by its weights)
+# unless one is named, which must encode as it does; a resumed run keeps the one it started with
 if init_from == 'resume' and not checkpoints(out_dir):
-    sys.exit(f"error: no checkpoint in {out_dir!r} to resume from; train once first or set --out_dir")
+    sys.exit(f"error: no checkpoint in {out_dir!r} to resume from; train first or set --out_dir")
 try:
-    start = None if init_from == 'scratch' else model_dir(out_dir if init_from == 'resume' else init_from)
+    start = None if init_from == 'scratch' else last_complete(out_dir) if init_from == 'resume' else model_dir(init_from)
 except OSError as e:
     sys.exit(f"error: cannot load {init_from!r}: {e}")
 state = torch.load(os.path.join(start, 'train_state.pt'), weights_only=True) if init_from == 'resume' \
@@ -170,7 +201,7 @@ state = torch.load(os.path.join(start, 'train_state.pt'), weights_only=True) if 
 own = start if start and os.path.exists(os.path.join(start, 'tokenizer.json')) else None
 tokenizer_name = state['tokenizer'] if state else tokenizer or own or 'bytes'
 tokenizer_file = next((f for f in (os.path.join(tokenizer_name, 'tokenizer.json'), tokenizer_name)
-                       if os.path.isfile(f)), None)  # an HF tokenizer.json travels with every checkpoint
+                       if os.path.isfile(f)), None)  # every checkpoint carries an HF tokenizer.json
 
 
 def train_loader():
@@ -178,9 +209,9 @@ def train_loader():
     return Loader(mixture or dataset, batch_size, block_size, 'train', rank, world_size, seed)
 
 
-# data: the offline corpus, or token shards that data.py downloads and prepares once (local rank 0 works, the
-# others wait). A resumed run sees exactly the batches it would have seen: the corpus's batches are a function
-# of (seed, step, sequence index), and the shard loader's position travels in the checkpoint.
+# data: the offline corpus, or token shards that data.py downloads and prepares once (local rank 0
+# works, the others wait). A resumed run sees exactly the batches it would have seen: the corpus's
+# batches are a function of (seed, step, sequence index); checkpoints hold the shard loader's place.
 try:
     enc = get_tokenizer(tokenizer_name)
     if own and tokenizer_name != own and not same_encoding(enc, get_tokenizer(own)):
@@ -238,13 +269,13 @@ if init_from == 'scratch':
     model = Transformer(ModelConfig(
         vocab_size=64 * math.ceil(enc.n_vocab / 64), n_layer=n_layer, n_embd=n_embd, n_head=n_head,
         n_kv_head=n_kv_head, intermediate_size=intermediate_size, rope_theta=rope_theta, act=act,
-        max_seq_len=block_size, tie_embeddings=tie_embeddings, bitnet=bitnet, bos_token_id=eos_id(enc),
-        eos_token_id=eos_id(enc)))
+        max_seq_len=block_size, tie_embeddings=tie_embeddings, bitnet=bitnet,
+        bos_token_id=eos_id(enc), eos_token_id=eos_id(enc)))
 else:
     model = load(start)
     if state:
-        fixed = ('n_layer', 'n_embd', 'n_head', 'n_kv_head', 'intermediate_size', 'act', 'bitnet', 'lrc_rank',
-                 'tokenizer', 'optimizer', 'zero1')  # what a resumed run cannot change
+        fixed = ('n_layer', 'n_embd', 'n_head', 'n_kv_head', 'intermediate_size', 'act', 'bitnet',
+                 'lrc_rank', 'tokenizer', 'optimizer', 'zero1')  # what a resumed run cannot change
         was = state['config']
         changed = [f"{k}={was[k]!r} (now {config[k]!r})" for k in fixed if was[k] != config[k]]
         if changed:
@@ -258,7 +289,7 @@ else:
     if model.config.max_seq_len < block_size:
         sys.exit(f"error: block_size={block_size} exceeds the model's max_seq_len={model.config.max_seq_len}")
 model.to(device)
-if bitnet and not model.config.bitnet:  # a pretrained fp model: SubLN calibrated on the first batches
+if bitnet and not model.config.bitnet:  # a pretrained fp model: SubLN calibrated on first batches
     calib = train_loader() if loader else None  # a loader of its own: the run's stays where it is
     xs = [calib.next_batch()['x'].to(device) if calib else batch(0, i)['x'] for i in range(subln_calib)]
     model.to_bitnet(xs)
@@ -279,7 +310,7 @@ else:
     if vocab and vocab != raw_model.config.vocab_size:
         sys.exit(f"error: teacher vocab {vocab} != student vocab {raw_model.config.vocab_size}; "
                  "both must share a tokenizer")
-if 'diffusion' in objectives:  # a dedicated mask token: the tokenizer's, or a spare (padding) embedding row
+if 'diffusion' in objectives:  # the mask token: the tokenizer's, or a spare (padding) embedding row
     mask_id = enc.encode_single_token('<|mask|>') if '<|mask|>' in enc.special_tokens_set else enc.n_vocab
     if mask_id >= raw_model.config.vocab_size:
         sys.exit("error: diffusion needs a mask token; the tokenizer has no <|mask|> "
@@ -293,7 +324,7 @@ except KeyError as e:
 except (TypeError, ValueError) as e:
     sys.exit(f"error: objectives/curriculum: {e}")
 
-# auto batch (CUDA): the largest micro-batch that fits, found by trying; the global batch stays the same
+# auto batch (CUDA): the largest micro-batch that fits, found by trying; the same global batch
 if auto_batch and device_type != 'cuda':
     print("auto_batch: does nothing on CPU (there is no memory limit to probe); keeping batch_size")
 elif auto_batch:
@@ -347,8 +378,8 @@ if state is not None:
     if loader:
         loader.load_state_dict(state['rng'][rank]['data'])
     if master:
-        print(f"resumed from {start} at step {step}: weights, optimizer, schedule, RNG and data position "
-              f"restored (best val {best_val:.4f} at step {best_step})")
+        print(f"resumed from {start} at step {step}: weights, optimizer, schedule, RNG and data "
+              f"position restored (best val {best_val:.4f} at step {best_step})")
 model = torch.compile(model) if compile else model
 model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None) if ddp else model
 
@@ -374,12 +405,12 @@ def micro_steps(step, b):
         loss_sum += loss.detach()
         for k, v in parts.items():  # the mean over micro-steps, like the loss
             metrics[k] = metrics.get(k, 0.0) + v / gradient_accumulation_steps
-        scaler.scale(loss / gradient_accumulation_steps).backward()  # gradients sum: scale to the mean
+        scaler.scale(loss / gradient_accumulation_steps).backward()  # grads then sum to the mean
     return loss_sum / gradient_accumulation_steps, metrics
 
 
 def clip_gradients():
-    """Unscale (fp16), clip (fixed or ZClip); returns the norm, and what ZClip clipped a spike to."""
+    """Unscale (fp16), clip (fixed or ZClip); returns the norm and what ZClip clipped a spike to."""
     for opt in optimizers:
         scaler.unscale_(opt)
     params = [p for p in model.parameters() if p.grad is not None]
@@ -396,7 +427,7 @@ def clip_gradients():
 
 @torch.no_grad()
 def evaluate():
-    """The val loss per counted target over eval_iters batches, the same batches at every evaluation.
+    """The val loss per counted target over eval_iters batches, the same ones at every evaluation.
     (No model.eval(): without dropout the model computes the same in either mode.)"""
     sums = torch.zeros(2, device=device)  # summed loss, counted targets
     for b in val_batches(eval_iters):
@@ -430,7 +461,7 @@ def remix():
 def save_checkpoint(step, data_state):
     """The HF directory and training state, written under a temporary name, then renamed: atomic.
     Every rank takes part: rank 0 gathers the RNG states and data positions of all ranks (and, under
-    ZeRO-1, the optimizer state's shards), then writes."""
+    ZeRO-1, the optimizer state's shards), then writes. A failed write stops every rank cleanly."""
     cuda = torch.cuda.get_rng_state() if device_type == 'cuda' else None
     mine = {'cpu': torch.get_rng_state(), 'cuda': cuda, 'data': data_state}
     rngs = [mine] * world_size
@@ -438,22 +469,54 @@ def save_checkpoint(step, data_state):
         dist.all_gather_object(rngs, mine)
     for opt in optimizers if zero1 and ddp else []:
         opt.consolidate_state_dict(to=0)
-    if not master:
-        return
-    final, tmp = os.path.join(out_dir, f'ckpt_{step:07d}'), os.path.join(out_dir, f'.tmp_ckpt_{step:07d}')
-    shutil.rmtree(tmp, ignore_errors=True)
-    raw_model.save_pretrained(tmp)
-    if tokenizer_file:  # the tokenizer, and the chat template if it has one, travel with the weights
-        shutil.copy(tokenizer_file, os.path.join(tmp, 'tokenizer.json'))
-        for extra in ('tokenizer_config.json', 'chat_template.jinja'):
-            if os.path.exists(found := os.path.join(os.path.dirname(tokenizer_file), extra)):
-                shutil.copy(found, tmp)
-    torch.save({'step': step, 'best_val': best_val, 'best_step': best_step, 'bad_evals': bad_evals,
-                'optimizers': [opt.state_dict() for opt in optimizers], 'scaler': scaler.state_dict(),
-                'rng': rngs, 'zclip': vars(zclipper) if zclipper else None, 'config': config,
-                'tokenizer': tokenizer_name, 'commit': commit}, os.path.join(tmp, 'train_state.pt'))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    failed = [write_checkpoint(step, rngs) if master else None]
+    if ddp:  # every rank learns whether rank 0's write failed, so that none waits in a collective
+        dist.broadcast_object_list(failed, src=0)
+    if failed[0]:
+        if ddp:
+            dist.destroy_process_group()
+        sys.exit(f"error: {failed[0]}" if master else 1)
+
+
+def write_checkpoint(step, rngs):
+    """Rank 0's part of a save: None, or why it failed. The manifest (sizes and sha256 of the
+    files) is written last; a failed write leaves no temporary directory and every earlier
+    checkpoint as it was."""
+    final, tmp = (os.path.join(out_dir, f'{pre}ckpt_{step:07d}') for pre in ('', '.tmp_'))
+    prev = checkpoints(out_dir)[-1:]
+    need = sum(os.path.getsize(e.path) for e in os.scandir(prev[0])) if prev else 0
+    if need > shutil.disk_usage(out_dir).free:  # warn before a save that cannot fit, not half-way
+        print(f"warning: {out_dir} has {shutil.disk_usage(out_dir).free / 2**20:.0f} MiB free, "
+              f"the last checkpoint took {need / 2**20:.0f} MiB", file=sys.stderr)
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raw_model.save_pretrained(tmp)
+        if tokenizer_file:  # the tokenizer (and its chat template, if any) goes with the weights
+            shutil.copy(tokenizer_file, os.path.join(tmp, 'tokenizer.json'))
+            for extra in ('tokenizer_config.json', 'chat_template.jinja'):
+                if os.path.exists(found := os.path.join(os.path.dirname(tokenizer_file), extra)):
+                    shutil.copy(found, tmp)
+        torch.save(dict(
+            step=step, best_val=best_val, best_step=best_step, bad_evals=bad_evals,
+            optimizers=[opt.state_dict() for opt in optimizers], scaler=scaler.state_dict(),
+            rng=rngs, zclip=vars(zclipper) if zclipper else None, config=config,
+            tokenizer=tokenizer_name, commit=commit), os.path.join(tmp, 'train_state.pt'))
+        manifest = {}
+        for name in sorted(os.listdir(tmp)):
+            with open(os.path.join(tmp, name), 'rb') as f:
+                manifest[name] = [os.fstat(f.fileno()).st_size, hashlib.file_digest(f, 'sha256').hexdigest()]
+        with open(os.path.join(tmp, 'manifest.json'), 'w') as f:
+            json.dump(manifest, f, indent=1)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    except (OSError, RuntimeError, SafetensorError) as e:
+        # torch.save reports a full disk as "unexpected pos"; the free space tells what happened
+        full = isinstance(e, OSError) and e.errno == errno.ENOSPC or shutil.disk_usage(out_dir).free < 2**20
+        shutil.rmtree(tmp, ignore_errors=True)
+        cause = 'no space left on device' if full else f"{type(e).__name__}: {str(e).splitlines()[0]}"
+        kept = f"the last complete one, {prev[0]}, is intact" if prev else "no earlier one exists"
+        return (f"cannot write checkpoint {final} ({cause}); {kept}. Free space in {out_dir} "
+                f"(or set --out_dir), then continue with --init_from=resume")
     best = os.path.join(out_dir, f'ckpt_{best_step:07d}')
     for old in checkpoints(out_dir)[:-keep_last]:
         if old != best:
@@ -486,12 +549,12 @@ if lr_find and state is None:  # on throwaway optimizers; the model is put back 
 try:
     wandb = __import__('wandb') if wandb_log and master else None
 except ImportError:
-    sys.exit("error: wandb_log=True needs the wandb package: pip install wandb (or set --wandb_log=False)")
+    sys.exit("error: wandb_log=True needs wandb: pip install wandb (or set --wandb_log=False)")
 if wandb:
     wandb.init(project=wandb_project, config=config)
 tokens_per_step = gradient_accumulation_steps * world_size * batch_size * block_size
 log_path = os.path.join(out_dir, 'log.jsonl')
-if master and state is not None and os.path.exists(log_path):  # forget what was logged after the checkpoint
+if master and state is not None and os.path.exists(log_path):  # drop log lines past the checkpoint
     kept = [line for line in open(log_path) if json.loads(line)['step'] <= step]
     with open(log_path, 'w') as f:
         f.writelines(kept)
@@ -507,7 +570,7 @@ b = batch(step, 0)
 while step < max_steps:
     factor = lr_factor(step, max_steps, warmup_steps, schedule, min_lr / learning_rate, decay_frac)
     lrs = set_lr(optimizers, factor)
-    if schedule == 'two_stage' and step >= max_steps // 2:  # BitNet b1.58's second stage: no weight decay
+    if schedule == 'two_stage' and step >= max_steps // 2:  # BitNet b1.58 stage 2: no weight decay
         for g in (g for opt in optimizers for g in opt.param_groups):
             g['weight_decay'] = 0.0
     if lambda_warmup:
@@ -515,7 +578,7 @@ while step < max_steps:
     train_loss, metrics = micro_steps(step, b)
     grad_norm, zclipped = clip_gradients()
     skipped = not math.isfinite(grad_norm.item())
-    # a NaN/Inf loss or gradient: skip the update (an fp16 overflow, a bad batch); give up after a run of them
+    # a NaN/Inf loss or gradient (fp16 overflow, a bad batch): skip the update; give up after a run
     nan_run = nan_run + 1 if skipped else 0
     if nan_run >= nan_patience:
         sys.exit(f"error: {nan_run} non-finite steps in a row at step {step}; "
@@ -527,8 +590,8 @@ while step < max_steps:
         opt.zero_grad(set_to_none=True)
     step += 1
     tokens_seen += tokens_per_step
-    mix = remix() if remix_interval and step % remix_interval == 0 else {}  # before the next batch is drawn
-    data_state = loader.state_dict() if loader else None  # where the next step reads: what a resume needs
+    mix = remix() if remix_interval and step % remix_interval == 0 else {}  # before the next batch
+    data_state = loader.state_dict() if loader else None  # where the next step reads (for a resume)
     b = batch(step, 0)
     last = step == max_steps
 
@@ -551,8 +614,8 @@ while step < max_steps:
     if step % log_interval == 0 or rec or skipped or zclipped or mix:
         now = time.time()
         tok_per_s = tokens_per_step * (step - step_last) / (now - t_last)
-        rec.update({'step': step, 'loss': all_mean(train_loss).item(), 'grad_norm': grad_norm.item(), **lrs,
-                    'tokens': tokens_seen, 'tok_per_s': round(tok_per_s), 'time_s': round(now - t_start, 2)})
+        rec.update(step=step, loss=all_mean(train_loss).item(), grad_norm=grad_norm.item(), **lrs,
+                   tokens=tokens_seen, tok_per_s=round(tok_per_s), time_s=round(now - t_start, 2))
         rec.update({k: all_mean(v).item() if torch.is_tensor(v) else v for k, v in metrics.items()}, **mix)
         # the length of a run of non-finite steps, and the norm ZClip clipped a spike to
         rec.update({k: v for k, v in (('skipped', nan_run), ('zclip', zclipped)) if v})
@@ -567,8 +630,8 @@ while step < max_steps:
             eta = (now - t_start) / (step - start_step) * (max_steps - step)
             val = f" | val {rec['val_loss']:.4f}" if 'val_loss' in rec else ''
             flag = ' | skipped (non-finite)' if skipped else ''
-            print(f"step {step}/{max_steps} | loss {rec['loss']:.4f}{val} | lr {lrs['lr_hidden']:.2e} | "
-                  f"{tok_per_s / 1e3:.1f}k tok/s | eta {eta:.0f}s{flag}")
+            print(f"step {step}/{max_steps} | loss {rec['loss']:.4f}{val} | lr "
+                  f"{lrs['lr_hidden']:.2e} | {tok_per_s / 1e3:.1f}k tok/s | eta {eta:.0f}s{flag}")
         t_last, step_last = time.time(), step
 
     # checkpoint: on a better val loss, at the end, on early stopping, and every ckpt_interval steps
@@ -581,10 +644,10 @@ while step < max_steps:
         break
 
 if master and sample_tokens:
-    # at temperature 0.6 the tiny default model writes mostly real words (at 0.8, mostly made-up ones)
+    # at temperature 0.6 the tiny default model writes mostly real words (0.8: mostly made-up ones)
     text = 'The ' + continuations(['The '], sample_tokens, temperature=0.6, top_k=50)[0]
     print('-' * 40 + '\n' + text + '\n' + '-' * 40)
 if ddp:
     dist.destroy_process_group()
-    # gloo's threads free the last collectives' tensors under the GIL; exiting before they do aborts (SIGABRT)
+    # gloo threads free the last collectives' tensors under the GIL; exiting first aborts (SIGABRT)
     time.sleep(0.2)

@@ -109,3 +109,111 @@ def test_vocab_of_the_real_model_equals_llama_cpps_converter():
     types = field(theirs, 'tokenizer.ggml.token_type')
     assert [i for i, t in enumerate(types) if t != 1] == [i for i, t in enumerate(ours['tokenizer.ggml.token_type'])
                                                           if t != 1]
+
+
+# ---------------------------------------------------------------- llama.cpp itself
+
+def llama(path, **kw):
+    llama_cpp = pytest.importorskip('llama_cpp')
+    return llama_cpp.Llama(model_path=str(path), n_threads=2, verbose=False, **kw)
+
+
+def tokenizers():
+    from test_data import train_hf_tokenizer
+    from smollm2 import smollm2
+    for kind in ('gpt2', 'llama3', 'smollm2'):
+        folder = os.path.join(data.cache_dir(), 'test-tokenizers', kind)
+        if not os.path.exists(os.path.join(folder, 'tokenizer.json')):
+            train_hf_tokenizer(kind, folder)
+        yield kind, data.get_tokenizer(folder)
+    yield 'bytes', data.get_tokenizer('bytes')
+    yield 'SmolLM2', data.get_tokenizer(smollm2())
+
+
+@pytest.mark.slow
+def test_llama_cpp_tokenizes_as_we_do(tmp_path):
+    """Held-out prose and code, digits, unicode and chat markup, in every tokenizer style we export."""
+    pytest.importorskip('tokenizers')
+    from test_data import TEXTS, fuzz
+    from test_smollm import real_texts
+    texts = real_texts() + TEXTS + fuzz(200)
+    for kind, enc in tokenizers():
+        cfg = ModelConfig(vocab_size=enc.n_vocab + 3, n_layer=1, n_embd=64, n_head=1, intermediate_size=64)
+        export(Transformer(cfg), tmp_path / f'{kind}.gguf', enc)
+        llm = llama(tmp_path / f'{kind}.gguf', vocab_only=True)
+        for text in texts:
+            assert llm.tokenize(text.encode(), add_bos=False, special=False) == enc.encode_ordinary(text), (kind, text)
+            assert llm.tokenize(text.encode(), add_bos=False, special=True) == \
+                enc.encode(text, allowed_special='all'), (kind, text)
+        assert llm.detokenize(enc.encode_ordinary(texts[0])).decode() == texts[0]
+
+
+def agreement(ours, path, tokens):
+    """Max |logit difference| and top-1 agreement between our model and llama.cpp on `tokens`."""
+    with torch.no_grad():
+        want = ours(torch.tensor([tokens]))[0]
+    llm = llama(path, n_ctx=len(tokens), n_batch=len(tokens), n_ubatch=len(tokens), logits_all=True)
+    llm.eval(tokens)
+    got = torch.from_numpy(np.array(llm.scores[:len(tokens)], dtype=np.float32))
+    return (got - want).abs().max().item(), (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+    """python train.py, shortened: the default model (its down_proj rows, 688 long, fall back to F16),
+    one whose every matrix is in ternary blocks (intermediate_size 512), and the fp twin."""
+    out = {}
+    for name, extra in (('default', []), ('blocks', ['--intermediate_size=512']), ('fp', ['config/tiny_fp.py'])):
+        folder = tmp_path_factory.mktemp(name)
+        subprocess.run([sys.executable, 'train.py', *extra, f'--out_dir={folder}', '--max_steps=60',
+                        '--eval_interval=60', '--sample_tokens=0'], cwd=ROOT, check=True, capture_output=True, timeout=600)
+        out[name] = max(str(p) for p in folder.glob('ckpt_*'))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name,ternary', [('default', 'tq2_0'), ('blocks', 'tq2_0'), ('blocks', 'tq1_0')])
+def test_llama_cpp_runs_our_ternary_export(trained, tmp_path, name, ternary):
+    path = tmp_path / 'm.gguf'
+    r = subprocess.run([sys.executable, 'sample.py', f'--ckpt={trained[name]}', f'--export={path}',
+                        f'--export_ternary={ternary}'], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and 'wrote' in r.stdout, r.stderr
+    enc = data.get_tokenizer('bytes')
+    tokens = data.offline_corpus(enc)[1][:512].tolist()  # held out
+    ours = Transformer.from_pretrained(trained[name]).freeze().eval()
+    diff, top1 = agreement(ours, path, tokens)
+    print(f"{name} {ternary}: max |logit diff| {diff:.4f}, top-1 agreement {top1:.4f}")
+    assert top1 >= 0.99 and diff < 0.5
+
+
+@pytest.mark.slow
+def test_llama_cpp_runs_an_fp_export_within_1e3(trained, tmp_path):
+    """The fp twin in llama.cpp's `llama` architecture, F32: the same numbers up to float rounding."""
+    ours = Transformer.from_pretrained(trained['fp']).eval()
+    export(ours, tmp_path / 'fp.gguf', data.get_tokenizer('bytes'))
+    diff, top1 = agreement(ours, tmp_path / 'fp.gguf', data.offline_corpus(data.get_tokenizer('bytes'))[1][:512].tolist())
+    print(f"fp F32: max |logit diff| {diff:.2e}, top-1 agreement {top1:.4f}")
+    assert diff < 1e-3 and top1 == 1.0
+
+
+@pytest.mark.slow
+def test_llama_cpp_runs_the_real_model_ternary_and_fp(tmp_path):
+    """SmolLM2-135M-Instruct: its fp export (F32) and its BitNet conversion (SubLN calibrated; 576-long
+    rows in Q8_0, 1536-long ones in TQ2_0), on 512 held-out tokens of the offline corpus."""
+    pytest.importorskip('transformers')
+    from smollm2 import smollm2
+    folder = smollm2()
+    enc = data.get_tokenizer(folder)
+    tokens = data.offline_corpus(enc)[1][:512].tolist()
+    fp = Transformer.from_pretrained(folder).eval()
+    export(fp, tmp_path / 'fp.gguf', enc)
+    diff, top1 = agreement(fp, tmp_path / 'fp.gguf', tokens)
+    print(f"SmolLM2 fp F32: max |logit diff| {diff:.2e}, top-1 agreement {top1:.4f}")
+    assert diff < 1e-3 and top1 == 1.0
+    train = torch.from_numpy(data.offline_corpus(enc)[0][:4 * 256].astype(np.int64)).view(4, 256)
+    ternary = fp.to_bitnet(calib=[train]).freeze().eval()
+    r = export(ternary, tmp_path / 'tq.gguf', enc)
+    assert {t.name: t.tensor_type for t in r.tensors}['blk.0.ffn_down.weight'] == T.TQ2_0
+    diff, top1 = agreement(ternary, tmp_path / 'tq.gguf', tokens)
+    print(f"SmolLM2 ternary: max |logit diff| {diff:.4f}, top-1 agreement {top1:.4f}")
+    assert top1 >= 0.99

@@ -1,9 +1,11 @@
 """The training loop's promises, checked with real processes: exact resume after SIGKILL,
 crash-safe checkpoints, DDP and ZeRO-1 equivalence, Muon's groups, ZClip, and the guards."""
+import hashlib
 import json
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,11 +22,13 @@ TINY = ['--n_layer=2', '--n_embd=32', '--n_head=2', '--n_kv_head=1', '--intermed
         '--eval_interval=4']
 
 
-def command(args, nan=(), spike=(), save_delay=0.0):
-    """`python train.py tests/faults.py ...`: a real run, with faults injected by that config file."""
+def command(args, nan=(), spike=(), save_delay=0.0, enospc=0, ranks=1):
+    """`python train.py tests/faults.py ...` (or torchrun's ranks of it): a real run, with faults
+    injected by that config file."""
     env = {'FAULT_NAN': ','.join(map(str, nan)), 'FAULT_SPIKE': ','.join(map(str, spike)),
-           'FAULT_SAVE_DELAY': str(save_delay)}
-    return [sys.executable, 'train.py', 'tests/faults.py', *TINY, *args], {**os.environ, **env}
+           'FAULT_SAVE_DELAY': str(save_delay), 'FAULT_ENOSPC': str(enospc)}
+    launch = ['-m', 'torch.distributed.run', f'--nproc_per_node={ranks}'] if ranks > 1 else []
+    return [sys.executable, *launch, 'train.py', 'tests/faults.py', *TINY, *args], {**os.environ, **env}
 
 
 def run(args, **inject):
@@ -124,6 +128,86 @@ def test_sigkill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
     assert r.returncode == 0, r.stderr
     assert f"resumed from {out}/ckpt_0000002 at step 2" in r.stdout
     assert [rec['step'] for rec in log(out)] == list(range(1, 9))
+
+
+def manifest_holds(ckpt):
+    """Recomputed here: every file the manifest names has its size and sha256."""
+    with open(os.path.join(ckpt, 'manifest.json')) as f:
+        files = json.load(f)
+    assert set(files) >= {'config.json', 'model.safetensors', 'train_state.pt'}
+    for name, (size, sha) in files.items():
+        data = open(os.path.join(ckpt, name), 'rb').read()
+        assert len(data) == size and hashlib.sha256(data).hexdigest() == sha, name
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('ranks', [1, 2])
+def test_a_full_disk_stops_the_run_in_one_line_and_resume_continues(tmp_path, ranks):
+    """The second checkpoint's write fails half-way with ENOSPC (injected): every rank stops, no
+    temporary directory stays, the first checkpoint is intact and a resume continues exactly."""
+    args = ['--max_steps=8', '--ckpt_interval=2']
+    straight, out = str(tmp_path / 'straight'), str(tmp_path / 'out')
+    assert run([*args, f'--out_dir={straight}']).returncode == 0
+    cmd, env = command([*args, f'--out_dir={out}'], enospc=2, ranks=ranks)
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    ours = [line for line in r.stderr.splitlines() if line.startswith('error:')]
+    assert r.returncode != 0 and len(ours) == 1, r.stderr
+    assert 'no space left on device' in ours[0] and 'ckpt_0000004' in ours[0] and 'ckpt_0000002' in ours[0]
+    assert ranks > 1 or r.stderr.strip() == ours[0]  # no traceback (torchrun adds its own report of the exit)
+    assert sorted(os.listdir(out)) == ['ckpt_0000002', 'log.jsonl'] and manifest_holds(os.path.join(out, 'ckpt_0000002'))
+    r = run([*args, f'--out_dir={out}', '--init_from=resume'])
+    assert r.returncode == 0 and f"resumed from {out}/ckpt_0000002 at step 2" in r.stdout, r.stderr
+    assert [x['loss'] for x in log(out)] == [x['loss'] for x in log(straight)]
+
+
+@pytest.mark.slow
+def test_a_real_full_filesystem(tmp_path):
+    """The same on a real size-limited filesystem (a tmpfs mount: needs root), sized so that the
+    first checkpoint fits and the second does not."""
+    args = ['--max_steps=8', '--ckpt_interval=2']
+    straight, small = str(tmp_path / 'straight'), tmp_path / 'small'
+    assert run([*args, f'--out_dir={straight}']).returncode == 0
+    first = os.path.join(straight, 'ckpt_0000002')
+    size = sum(os.path.getsize(os.path.join(first, n)) for n in os.listdir(first))
+    small.mkdir()
+    if subprocess.run(['mount', '-t', 'tmpfs', '-o', f'size={size * 3 // 2 + 65536}', 'tmpfs', str(small)],
+                      capture_output=True).returncode:
+        pytest.skip('cannot mount a tmpfs here (not root)')
+    try:
+        out = str(small / 'out')
+        r = run([*args, f'--out_dir={out}'])
+        assert r.returncode != 0 and r.stderr.count('\n') == 1 and 'no space left on device' in r.stderr, r.stderr
+        assert not [n for n in os.listdir(out) if n.startswith('.tmp')]
+        assert manifest_holds(os.path.join(out, 'ckpt_0000002'))
+        r = run([*args, f'--out_dir={out}', '--init_from=resume', '--ckpt_interval=0', '--eval_interval=100'])
+        assert r.returncode == 0 and f"resumed from {out}/ckpt_0000002 at step 2" in r.stdout, r.stderr
+    finally:
+        subprocess.run(['umount', str(small)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name', ['train_state.pt', 'model.safetensors', 'config.json'])
+@pytest.mark.parametrize('how', ['truncated', 'bit-flipped'])
+def test_resume_skips_a_damaged_checkpoint(tmp_path, name, how):
+    args = ['--max_steps=8', '--ckpt_interval=2']
+    straight, out = str(tmp_path / 'straight'), str(tmp_path / 'out')
+    assert run([*args, f'--out_dir={straight}']).returncode == 0
+    shutil.copytree(straight, out)
+    path = os.path.join(out, 'ckpt_0000008', name)
+    data = bytearray(open(path, 'rb').read())
+    if how == 'truncated':
+        data = data[:len(data) // 2]
+    else:
+        data[len(data) // 2] ^= 0x10
+    open(path, 'wb').write(data)
+    r = run([*args, f'--out_dir={out}', '--init_from=resume'])
+    assert r.returncode == 0, r.stderr
+    warning = [line for line in r.stderr.splitlines() if 'ckpt_0000008' in line]
+    assert len(warning) == 1 and name in warning[0], r.stderr
+    assert f"resumed from {out}/ckpt_0000006 at step 6" in r.stdout
+    assert [x['loss'] for x in log(out)] == [x['loss'] for x in log(straight)]
+    assert os.path.exists(os.path.join(out, 'damaged_ckpt_0000008'))  # set aside, not deleted
 
 
 def torchrun(args):
