@@ -322,7 +322,7 @@ class Transformer(nn.Module):
         """Write a GGUF file that llama.cpp runs: a ternary model in its `bitnet` architecture (the
         two sub-norms, the head tied to the embedding), each ternary matrix exactly, W_q with d =
         gamma in fp16, as TQ2_0 or TQ1_0 (Q8_0 or F16 for rows whose length is not a multiple of
-        256; see kernels.py); an fp model in its `llama` architecture. The embedding (and an untied
+        256; see kernels.py), or all Q8_0 or F16; an fp model in its `llama` architecture. The embedding (and an untied
         head) in `dtype` (fp32 or fp16), norms in fp32. `vocab`: data.gguf_vocab's keys."""
         cfg, arch = self.config, 'bitnet' if self.config.bitnet else 'llama'
         lacks = [what for what, bad in (
@@ -343,8 +343,8 @@ class Transformer(nn.Module):
             if cfg.bitnet and k.endswith('proj.weight'):
                 m = self.get_submodule(k.removesuffix('.weight'))
                 w_q, gamma = (unpack_hf(v, m.out_features), m.weight_scale) if cfg.packed else weight_quant(v)
-                K = w_q.shape[1]
-                pack, kind = GGUF_TERNARY[ternary] if K % 256 == 0 else (pack_q8_0, 8) if K % 32 == 0 else (pack_f16, 1)
+                # the asked type if the row length fits its blocks, else the next one that does
+                pack, kind, _ = next(GGUF_TERNARY[t] for t in (ternary, 'q8_0', 'f16') if w_q.shape[1] % GGUF_TERNARY[t][2] == 0)
                 tensors.append((name, kind, w_q.shape, pack(w_q, gamma).numpy().tobytes()))
                 continue
             if arch == 'llama' and parts[-2] in ('q_proj', 'k_proj'):
@@ -372,8 +372,10 @@ GGUF_NAMES = dict(embed_tokens='token_embd', norm='output_norm', lm_head='output
                   q_proj='attn_q', k_proj='attn_k', v_proj='attn_v', o_proj='attn_output',
                   attn_sub_norm='attn_sub_norm', post_attention_layernorm='ffn_norm', gate_proj='ffn_gate',
                   up_proj='ffn_up', down_proj='ffn_down', ffn_sub_norm='ffn_sub_norm')
-GGUF_TERNARY = {'tq2_0': (pack_tq2_0, 35), 'tq1_0': (pack_tq1_0, 34)}  # packer, ggml type
-GGUF_FILE_TYPE = {torch.float32: 0, torch.float16: 1, 'tq1_0': 36, 'tq2_0': 37}  # llama.h's LLAMA_FTYPE_*
+# packer, ggml type, the multiple a row's length must be; all exact (F16 fits any row, at 16 bits)
+GGUF_TERNARY = {'tq2_0': (pack_tq2_0, 35, 256), 'tq1_0': (pack_tq1_0, 34, 256), 'q8_0': (pack_q8_0, 8, 32),
+                'f16': (pack_f16, 1, 1)}
+GGUF_FILE_TYPE = {torch.float32: 0, torch.float16: 1, 'f16': 1, 'q8_0': 7, 'tq1_0': 36, 'tq2_0': 37}  # LLAMA_FTYPE_*
 
 
 def write_gguf(path, kv, tensors):

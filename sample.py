@@ -34,7 +34,7 @@ tokenizer = ''  # '' is the checkpoint's own: its tokenizer.json, or the one it 
 packed = True  # run ternary checkpoints on their 2-bit weights (False: fp latent weights, fake-quantized)
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
 export = ''            # a path: write the checkpoint there as GGUF for llama.cpp instead of sampling
-export_ternary = 'tq2_0'  # GGUF type of the ternary matrices: 'tq2_0', or 'tq1_0' (smaller, slower)
+export_ternary = 'tq2_0'  # GGUF type of ternary matrices: 'tq2_0', 'tq1_0' (smaller, slower), 'q8_0', 'f16'
 export_dtype = 'float32'  # of the GGUF's embedding (and head): 'float32' or 'float16'
 config = configure({k: v for k, v in globals().items() if not k.startswith('_') and
                     isinstance(v, (int, float, str))}, sys.argv[1:])
