@@ -42,6 +42,7 @@ import math
 import multiprocessing as mp
 import os
 import re
+import sys
 import time
 from collections import deque
 
@@ -189,6 +190,28 @@ def gguf_vocab(enc, vocab_size):
 # -----------------------------------------------------------------------------
 # downloads
 
+class Progress:
+    """One progress line for long work (downloads, preparing data, evaluation): rewritten in place
+    on a terminal, a new line every `every` seconds otherwise, so that logs stay readable; nothing
+    for work that ends within `delay` seconds. Amounts are in `unit`s of `scale` (MB: 1e6)."""
+
+    def __init__(self, what, total=0, unit=' MB', scale=1e6, start=0, delay=2.0, every=10.0):
+        self.what, self.total, self.unit, self.scale, self.start = what, total, unit, scale, start
+        self.tty, self.every = sys.stdout.isatty(), every
+        self.t0, self.shown, self.delay = time.time(), 0.0, delay
+
+    def __call__(self, done, extra='', last=False):
+        now = time.time()
+        if now - self.t0 < self.delay or not last and now - self.shown < (0.5 if self.tty else self.every):
+            return
+        self.shown, rate, f = now, (done - self.start) / (now - self.t0), ',.1f' if self.scale > 1 else ',.0f'
+        line = f"{self.what}: {done / self.scale:{f}}{f' / {self.total / self.scale:{f}}' if self.total else ''}" \
+               f"{self.unit}{extra}, {rate / self.scale:,.1f}{self.unit}/s"
+        if self.total and not last and rate > 0:
+            line += f", ETA {(self.total - done) / rate:.0f}s"
+        print(f"\r{line}\033[K" if self.tty else line, end='\n' if last or not self.tty else '', flush=True)
+
+
 class DownloadError(OSError):
     """A file that cannot be fetched; `status` is the HTTP status when there was one."""
 
@@ -244,9 +267,15 @@ def download(url, dest, timeout=60, wait=3600, tries=3):
                     break  # the part already holds the whole file: a crash came before the rename
                 if code >= 400:
                     raise DownloadError(f"{url}: HTTP {code}; try again later, {local}", code)
-                with open(part, 'ab' if code == 206 else 'wb') as f:  # 200: the Range was ignored
+                have = have if code == 206 else 0  # 200: the server ignored the Range
+                show = Progress(f"download {os.path.basename(dest)}", have + int(r.headers.get('Content-Length', 0)),
+                                start=have)
+                with open(part, 'ab' if have else 'wb') as f:
                     for chunk in r.iter_content(1 << 16):
                         f.write(chunk)
+                        have += len(chunk)
+                        show(have)
+                show(have, last=True)
             break
         except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as e:
             err = type(e).__name__  # a cut transfer: the next try resumes from what arrived
@@ -516,7 +545,8 @@ def prepare(files, folder, tokenizer='bytes', fmt='text', val_files=(), val_ever
         raise FileExistsError(f"{folder} already holds token shards; delete them or use another")
     os.makedirs(folder, exist_ok=True)
     writers = {s: _Writer(folder, s, shard_tokens) for s in ('train', 'val')}
-    t0, chars, last, jobs, workers = time.time(), 0, time.time(), deque(), workers or os.cpu_count()
+    t0, chars, jobs, workers = time.time(), 0, deque(), workers or os.cpu_count()
+    show = Progress(f"prepare {folder}", sum(os.path.getsize(f) for f in [*files, *val_files]))
     # fork, not spawn: spawn would re-run the calling script (train.py has no main guard)
     with mp.get_context('fork').Pool(workers, _start_worker, (tokenizer, fmt, text_field)) as pool:
         for unit in itertools.chain(_units(files, val_files, val_every, fmt), [None]):
@@ -526,9 +556,9 @@ def prepare(files, folder, tokenizer='bytes', fmt='text', val_files=(), val_ever
                 split, n, tokens, mask = jobs.popleft().get()
                 writers[split].add(tokens, mask)
                 chars += n
-                if time.time() - last > 10:
-                    print(f"prepare: {chars / 1e6:.0f}M characters, {chars / 1e6 / (time.time() - t0):.1f}M/s", flush=True)
-                    last = time.time()
+                show(chars, ' of text, ' + ', '.join(f"{w.shards * shard_tokens + w.n:,} {s}" for s, w in writers.items())
+                     + ' tokens')
+    show(chars, last=True)
     counts = {}
     for split, w in writers.items():
         counts[split] = w.shards * shard_tokens + w.n

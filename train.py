@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bitlinear import set_lambda
 from configurator import configure
-from data import (Loader, eos_id, get_batch, get_tokenizer, offline_corpus, resolve_model,
+from data import (Loader, Progress, eos_id, get_batch, get_tokenizer, offline_corpus, resolve_model,
                   same_encoding, setup_data)
 from model import ModelConfig, Transformer
 from objectives import (IGNORE, OBJECTIVES, SCHEDULES, CurriculumScheduler, LocalTeacher, ObjectiveManager,
@@ -430,9 +430,11 @@ def evaluate():
     """The val loss per counted target over eval_iters batches, the same ones at every evaluation.
     (No model.eval(): without dropout the model computes the same in either mode.)"""
     sums = torch.zeros(2, device=device)  # summed loss, counted targets
-    for b in val_batches(eval_iters):
+    show = Progress('evaluate', eval_iters, ' batches', 1, delay=2 if master else math.inf)
+    for i, b in enumerate(val_batches(eval_iters)):
         with ctx:
             sums += torch.stack([ce_loss(model(b['x']), b['y'], 'sum'), (b['y'] != IGNORE).sum()])
+        show(i + 1, last=i + 1 == eval_iters)
     loss, counted = all_mean(sums).tolist()  # a CPU-GPU sync
     if not counted:
         sys.exit("error: no val batch holds a counted target (SFT answers); raise eval_iters or block_size")
@@ -536,7 +538,9 @@ if lr_find and state is None:  # on throwaway optimizers; the model is put back 
             opt.zero_grad(set_to_none=True)
         scaler.update()
         return all_mean(loss).item()
-    tried, losses, found = lr_range_test(lr_probe)
+    show = Progress('lr_find', 100, ' steps', 1, delay=2 if master else math.inf)
+    tried, losses, found = lr_range_test(lambda i, lr: show(i + 1) or lr_probe(i, lr))
+    show(len(tried), last=True)
     raw_model.load_state_dict(saved)
     if master:
         write_svg(os.path.join(out_dir, 'lr_find.svg'), tried, losses, found)

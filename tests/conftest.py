@@ -17,7 +17,8 @@ sys.path.insert(0, ROOT)
 
 class Hub(http.server.BaseHTTPRequestHandler):
     """GET /[datasets/]{repo}/resolve/{revision}/{file}: small files served directly, large
-    ('lfs') ones redirected to /cdn/... with their sha256 in X-Linked-Etag, as the hub does."""
+    ('lfs') ones redirected to /cdn/... with their sha256 in X-Linked-Etag, as the hub does (on
+    hub.cdn_host, another host name for the same server, when set; throttled to hub.rate bytes/s)."""
 
     def log_message(self, *args):
         pass
@@ -46,16 +47,25 @@ class Hub(http.server.BaseHTTPRequestHandler):
             start = int(re.fullmatch(r'bytes=(\d+)-', self.headers['Range'])[1]) if self.headers.get('Range') else 0
             if start:
                 return self.send(206, body[start:], [('Content-Range', f'bytes {start}-{len(body) - 1}/{len(body)}')])
+            if hub.rate:  # throttled: hub.rate bytes per second, in pieces
+                self.send_response(200)
+                self.send_header('Content-Length', str(len(body)))
+                self.end_headers()
+                for i in range(0, len(body), 1 << 16):
+                    self.wfile.write(body[i:i + (1 << 16)])
+                    time.sleep((1 << 16) / hub.rate)
+                return
             return self.send(200, body)
         key = re.sub(r'/resolve/[^/]+/', '/', self.path.lstrip('/'))
         f = hub.files.get(key)
         if f is None:
             return self.send(404, b'Entry not found')
-        if f.get('gated') and self.headers.get('Authorization') != 'Bearer secret':
+        if f.get('gated') and self.headers.get('Authorization') != f"Bearer {f.get('token', 'secret')}":
             return self.send(401, b'Access to this repo is restricted')
         if f.get('lfs'):
             sha = f.get('sha') or hashlib.sha256(f['body']).hexdigest()
-            return self.send(302, headers=[('Location', f'/cdn/{key}'), ('X-Linked-Etag', f'"{sha}"')])
+            where = f'http://{hub.cdn_host}:{hub.server_port}' if hub.cdn_host else ''  # another host's URL
+            return self.send(302, headers=[('Location', f'{where}/cdn/{key}'), ('X-Linked-Etag', f'"{sha}"')])
         # a small file: the ETag is its git blob sha1, which is not a sha256 and must be ignored
         return self.send(200, f['body'], [('ETag', '"' + hashlib.sha1(f['body']).hexdigest() + '"')])
 
@@ -63,7 +73,7 @@ class Hub(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
     server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Hub)
-    server.files, server.log, server.cut, server.delay = {}, [], set(), 0.0
+    server.files, server.log, server.cut, server.delay, server.rate, server.cdn_host = {}, [], set(), 0.0, 0, ''
     threading.Thread(target=server.serve_forever, daemon=True).start()
     monkeypatch.setenv('HF_ENDPOINT', f'http://127.0.0.1:{server.server_port}')
     monkeypatch.setenv('NANOBITNET_CACHE', str(tmp_path / 'cache'))

@@ -158,3 +158,80 @@ def test_tokenizer_from_a_hub_model_id(hub):
     hub.files['org/tiny/tokenizer.json'] = {'body': tok.to_str().encode()}
     enc = data.get_tokenizer('org/tiny')
     assert enc.encode_ordinary('hello world') == tok.encode('hello world').ids and data.eos_id(enc) == 0
+
+
+DOWNLOAD = """import sys, data
+try:
+    data.hub_download(sys.argv[1], sys.argv[2])
+except data.DownloadError as e:
+    print(e, repr(e), file=sys.stderr)
+    sys.exit(1)"""
+
+
+def download_lines(hub, tty):
+    """`data.hub_download` of a 4 MB file at 300 KB/s in a child process, its stdout a pipe or a
+    terminal (a pty): the progress lines it prints, split at carriage returns and newlines."""
+    import pty
+    hub.files['org/model/big.bin'] = {'body': blob(4_000_000, seed=3), 'lfs': True}
+    hub.rate = 300_000
+    read_fd, write_fd = pty.openpty() if tty else os.pipe()
+    proc = subprocess.Popen([sys.executable, '-c', DOWNLOAD, 'org/model', 'big.bin'], cwd=ROOT, stdout=write_fd,
+                            env={**os.environ, 'PYTHONPATH': ROOT})
+    os.close(write_fd)
+    out = b''
+    while chunk := _read(read_fd):
+        out += chunk
+    assert proc.wait() == 0
+    return [line for line in re.split(r'[\r\n]', out.decode()) if line.strip()], out.decode()
+
+
+def _read(fd):
+    try:
+        return os.read(fd, 1 << 16)
+    except OSError:  # a pty's reader gets EIO once the child has closed it
+        return b''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('tty', [True, False])
+def test_download_shows_progress(hub, tty):
+    lines, raw = download_lines(hub, tty)
+    done = [float(re.search(r': ([\d.]+) / 4\.0 MB', line)[1]) for line in lines]
+    assert all(line.startswith('download big.bin: ') and 'MB/s' in line for line in lines), lines
+    assert done == sorted(done) and done[-1] == 4.0  # growing byte counts, then the total
+    if tty:  # rewritten in place, a few times a second
+        assert len(lines) >= 10 and '\r' in raw and 'ETA' in lines[0]
+    else:  # a line every 10 s and the last one: readable in a log, not thousands
+        assert 2 <= len(lines) <= 4 and '\r' not in raw
+
+
+@pytest.mark.slow
+def test_the_token_never_reaches_a_log(hub, tmp_path):
+    """HF_TOKEN goes out only as a header, and only to the hub's host: not after a redirect to
+    another host, not into messages (a 401 included), log.jsonl, train_state.pt or W&B's config."""
+    token = 'hf_' + os.urandom(12).hex()
+    hub.files['org/gated/model.bin'] = {'body': blob(100_000), 'lfs': True, 'gated': True, 'token': token}
+    hub.files['org/other/config.json'] = {'body': b'{}', 'gated': True, 'token': 'someone else'}
+    hub.cdn_host = 'localhost'  # the hub is 127.0.0.1: the redirect goes to another host name
+    env = {**os.environ, 'PYTHONPATH': ROOT, 'HF_TOKEN': token}
+    runs = [subprocess.run([sys.executable, '-c', DOWNLOAD, repo, name], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=120) for repo, name in (('org/gated', 'model.bin'), ('org/other', 'config.json'))]
+    assert runs[0].returncode == 0 and runs[1].returncode == 1 and 'HTTP 401' in runs[1].stderr
+    sent = {path: auth for path, _, auth in hub.log}
+    assert sent['/org/gated/resolve/main/model.bin'] == f'Bearer {token}' and sent['/cdn/org/gated/model.bin'] is None
+    fake = tmp_path / 'fake'  # a stand-in for wandb that writes what it is given to a file
+    fake.mkdir()
+    (fake / 'wandb.py').write_text("import json, os\ndef init(project, config):\n"
+                                   "    json.dump(config, open(os.environ['WANDB_FILE'], 'w'))\n"
+                                   "def log(rec, step):\n    pass\n")
+    out = tmp_path / 'out'
+    runs.append(subprocess.run([sys.executable, 'train.py', '--max_steps=2', '--eval_interval=2', '--eval_iters=1',
+                                '--n_layer=1', '--n_embd=32', '--n_head=2', '--n_kv_head=1', '--intermediate_size=64',
+                                '--sample_tokens=4', '--wandb_log=True', f'--out_dir={out}'], cwd=ROOT,
+                               env={**env, 'PYTHONPATH': f'{fake}:{ROOT}', 'WANDB_FILE': str(tmp_path / 'wandb.json')},
+                               capture_output=True, text=True, timeout=300))
+    assert runs[-1].returncode == 0, runs[-1].stderr
+    assert json.load(open(tmp_path / 'wandb.json'))['max_steps'] == 2  # the stand-in saw the config
+    files = [out / 'log.jsonl', tmp_path / 'wandb.json', *out.glob('ckpt_*/*')]
+    seen = [r.stdout + r.stderr for r in runs] + [read(f).decode('latin-1') for f in files]
+    assert not [s for s in seen if token in s]
