@@ -126,7 +126,7 @@ def llama_cpp_run(llm, idx, new):
     llm.reset()
     llm.eval(idx)
     for _ in range(new - 1):
-        llm.eval([int(llm.scores[llm.n_tokens - 1].argmax())])
+        llm.eval([llm.sample(temp=0)])  # greedy, from the last logits (scores holds them only with logits_all)
 
 
 @torch.no_grad()
