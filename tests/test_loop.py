@@ -146,17 +146,20 @@ def manifest_holds(ckpt):
 def test_a_full_disk_stops_the_run_in_one_line_and_resume_continues(tmp_path, ranks):
     """The second checkpoint's write fails half-way with ENOSPC (injected): every rank stops, no
     temporary directory stays, the first checkpoint is intact and a resume continues exactly."""
-    args = ['--max_steps=8', '--ckpt_interval=2']
+    args = ['--max_steps=8', '--ckpt_interval=2', '--gradient_accumulation_steps=2']
     straight, out = str(tmp_path / 'straight'), str(tmp_path / 'out')
-    assert run([*args, f'--out_dir={straight}']).returncode == 0
-    cmd, env = command([*args, f'--out_dir={out}'], enospc=2, ranks=ranks)
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+    def go(out_dir, *extra, enospc=0):
+        cmd, env = command([*args, f'--out_dir={out_dir}', *extra], enospc=enospc, ranks=ranks)
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert go(straight).returncode == 0
+    r = go(out, enospc=2)
     ours = [line for line in r.stderr.splitlines() if line.startswith('error:')]
     assert r.returncode != 0 and len(ours) == 1, r.stderr
     assert 'no space left on device' in ours[0] and 'ckpt_0000004' in ours[0] and 'ckpt_0000002' in ours[0]
     assert ranks > 1 or r.stderr.strip() == ours[0]  # no traceback (torchrun adds its own report of the exit)
     assert sorted(os.listdir(out)) == ['ckpt_0000002', 'log.jsonl'] and manifest_holds(os.path.join(out, 'ckpt_0000002'))
-    r = run([*args, f'--out_dir={out}', '--init_from=resume'])
+    r = go(out, '--init_from=resume')
     assert r.returncode == 0 and f"resumed from {out}/ckpt_0000002 at step 2" in r.stdout, r.stderr
     assert [x['loss'] for x in log(out)] == [x['loss'] for x in log(straight)]
 
@@ -164,12 +167,12 @@ def test_a_full_disk_stops_the_run_in_one_line_and_resume_continues(tmp_path, ra
 @pytest.mark.slow
 def test_a_real_full_filesystem(tmp_path):
     """The same on a real size-limited filesystem (a tmpfs mount: needs root), sized so that the
-    first checkpoint fits and the second does not."""
+    first checkpoint fits and the second does not; then grown, as a user would free space."""
     args = ['--max_steps=8', '--ckpt_interval=2']
     straight, small = str(tmp_path / 'straight'), tmp_path / 'small'
     assert run([*args, f'--out_dir={straight}']).returncode == 0
-    first = os.path.join(straight, 'ckpt_0000002')
-    size = sum(os.path.getsize(os.path.join(first, n)) for n in os.listdir(first))
+    last = max(p for p in os.listdir(straight) if p.startswith('ckpt_'))
+    size = sum(os.path.getsize(os.path.join(straight, last, n)) for n in os.listdir(os.path.join(straight, last)))
     small.mkdir()
     if subprocess.run(['mount', '-t', 'tmpfs', '-o', f'size={size * 3 // 2 + 65536}', 'tmpfs', str(small)],
                       capture_output=True).returncode:
@@ -180,8 +183,10 @@ def test_a_real_full_filesystem(tmp_path):
         assert r.returncode != 0 and r.stderr.count('\n') == 1 and 'no space left on device' in r.stderr, r.stderr
         assert not [n for n in os.listdir(out) if n.startswith('.tmp')]
         assert manifest_holds(os.path.join(out, 'ckpt_0000002'))
-        r = run([*args, f'--out_dir={out}', '--init_from=resume', '--ckpt_interval=0', '--eval_interval=100'])
+        subprocess.run(['mount', '-o', f'remount,size={size * 10}', str(small)], check=True)
+        r = run([*args, f'--out_dir={out}', '--init_from=resume'])
         assert r.returncode == 0 and f"resumed from {out}/ckpt_0000002 at step 2" in r.stdout, r.stderr
+        assert [x['loss'] for x in log(out)] == [x['loss'] for x in log(straight)]
     finally:
         subprocess.run(['umount', str(small)])
 
