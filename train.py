@@ -488,8 +488,8 @@ def write_checkpoint(step, rngs):
     prev = checkpoints(out_dir)[-1:]
     need = sum(os.path.getsize(e.path) for e in os.scandir(prev[0])) if prev else 0
     if need > shutil.disk_usage(out_dir).free:  # warn before a save that cannot fit, not half-way
-        print(f"warning: {out_dir} has {shutil.disk_usage(out_dir).free / 2**20:.0f} MiB free, "
-              f"the last checkpoint took {need / 2**20:.0f} MiB", file=sys.stderr)
+        print(f"warning: {out_dir} has {shutil.disk_usage(out_dir).free / 2**20:.1f} MiB free, "
+              f"the last checkpoint took {need / 2**20:.1f} MiB", file=sys.stderr)
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         raw_model.save_pretrained(tmp)

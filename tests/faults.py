@@ -25,8 +25,8 @@ def _loss(self, batch, s, t):
 
 def _slow_save(obj, path, *args, **kwargs):
     time.sleep(float(os.environ.get('FAULT_SAVE_DELAY', 0)))
-    _saves[0] += 1
-    if str(_saves[0]) == os.environ.get('FAULT_ENOSPC'):
+    _saves[0] += isinstance(path, str)  # checkpoint files, not the buffers torch.distributed pickles into
+    if isinstance(path, str) and str(_saves[0]) == os.environ.get('FAULT_ENOSPC'):
         buf = io.BytesIO()
         _save(obj, buf, *args, **kwargs)
         with open(path, 'wb') as f:
