@@ -298,7 +298,9 @@ def linear_cpp(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.T
 # bytes (64 weights) at a time so that a warp reads 512 contiguous bytes per step, unpacking
 # them in registers and multiplying four at a time with dp4a; it writes acc * (gamma / s)
 # with the same fp32 operations as _linear, so the result is bit-identical. This part needs
-# no torch headers, so it compiles with plain nvcc (see the tests) on a machine without a GPU.
+# no torch headers, so it compiles with plain nvcc on a machine without a GPU, and it runs on
+# the CPU too, under a header that emulates CUDA's threads, barriers and shuffles
+# (tests/test_cuda_emulated.py), bit for bit against linear_reference.
 GEMV_CU = r"""
 #include <cstdint>
 
@@ -334,12 +336,12 @@ __global__ void ternary_gemv(const int8_t* __restrict__ x, const uint8_t* __rest
         // bit pair i of word t: columns 256 (j / 4) + 64 i + 4 (4 (j % 4) + t) .. + 3
         const int q = __vsub4((words[t] >> 2 * i) & 0x03030303u, 0x01010101u);  // codes - 1
         const int col = 64 * (j / 4) + 16 * i + 4 * (j % 4) + t;  // in ints of 4 activations
-        for (int m = 0; m < 4 && m0 + m < M; m++) acc[m] = __dp4a(q, xw[(m0 + m) * (Kp / 4) + col], acc[m]);
+        for (int m = 0; m < 4 && m0 + m < M; m++) acc[m] = __dp4a(q, xw[(size_t)(m0 + m) * (Kp / 4) + col], acc[m]);
       }
   }
   for (int m = 0; m < 4 && m0 + m < M; m++) {
     for (int o = 16; o > 0; o /= 2) acc[m] += __shfl_down_sync(0xffffffffu, acc[m], o);
-    if (lane == 0) y[(m0 + m) * N + n] = (float)acc[m] * (gamma[0] / s[m0 + m]);
+    if (lane == 0) y[(size_t)(m0 + m) * N + n] = (float)acc[m] * (gamma[0] / s[m0 + m]);  // M * N may pass 2^31
   }
 }
 """

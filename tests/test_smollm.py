@@ -108,8 +108,9 @@ def test_smollm_command_end_to_end_against_a_local_hub(hub, tmp_path):
     assert recs[0]['w_kd'] == recs[-1]['w_kd'] == 1 and recs[0]['w_ce'] == 1  # CE + KD from the start
     assert all(math.isfinite(recs[-1][k]) and recs[-1][k] > 0 for k in ('loss_ce', 'loss_kd'))
     downloads = [p for p, _, _ in hub.log if '/resolve/' in p]
-    # the five files and a probe for a shard index (a 404: one file), each asked once: by local rank 0 only
-    assert len(downloads) == len(set(downloads)) == 6
+    # the five files and probes (404s) for a shard index and the two chat-template files, each asked
+    # once: by local rank 0 only
+    assert len(downloads) == len(set(downloads)) == 8
 
     ckpt = str(out / 'ckpt_0000010')
     ours = Transformer.from_pretrained(ckpt).eval()

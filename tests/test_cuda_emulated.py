@@ -1,0 +1,171 @@
+"""kernels.py's CUDA kernels, run on the CPU under CUDA's execution model. The device source
+(kernels.GEMV_CU) is compiled unchanged with the host compiler, after a small header that gives
+the CUDA built-ins their meaning: a std::thread per CUDA thread, blocks run one at a time (so a
+`__shared__` array is a static one), `__syncthreads` a barrier of the block, and the shuffles
+real exchanges among the 32 lanes of a warp. The result must equal linear_reference bit for bit.
+This checks the arithmetic and the indexing; not speed, coalescing or real warp scheduling."""
+import multiprocessing
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import kernels
+
+HEADER = r"""
+#include <torch/extension.h>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+struct uint4 { unsigned x, y, z, w; };
+thread_local dim3 threadIdx, blockIdx;
+dim3 blockDim, gridDim;
+
+struct Barrier {  // all n threads wait until the last one arrives
+  std::mutex m; std::condition_variable cv; int n, count = 0, gen = 0;
+  explicit Barrier(int n) : n(n) {}
+  void wait() {
+    std::unique_lock<std::mutex> lock(m);
+    int g = gen;
+    if (++count == n) { count = 0; gen++; cv.notify_all(); } else cv.wait(lock, [&] { return g != gen; });
+  }
+};
+Barrier* block_barrier;
+std::vector<std::unique_ptr<Barrier>> warp_barriers;
+std::vector<unsigned> lanes;  // one 4-byte slot per thread of the block, for shuffles
+
+template <class T> T exchange(T v, int src) {  // every lane of the warp posts v, then reads lane src's
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  std::memcpy(&lanes[threadIdx.x], &v, 4);
+  warp_barriers[warp]->wait();
+  T r; std::memcpy(&r, &lanes[warp * 32 + (src < 32 ? src : lane)], 4);
+  warp_barriers[warp]->wait();
+  return r;
+}
+template <class T> T __shfl_xor_sync(unsigned, T v, int o) { return exchange(v, (threadIdx.x % 32) ^ o); }
+template <class T> T __shfl_down_sync(unsigned, T v, int d) { return exchange(v, threadIdx.x % 32 + d); }
+void __syncthreads() { block_barrier->wait(); }
+template <class T> T __ldg(const T* p) { return *p; }
+int __dp4a(int a, int b, int c) {  // four signed byte products, summed into c
+  for (int i = 0; i < 4; i++) c += (int8_t)(a >> 8 * i) * (int8_t)(b >> 8 * i);
+  return c;
+}
+unsigned __vsub4(unsigned a, unsigned b) {  // bytewise a - b, modulo 256
+  unsigned r = 0;
+  for (int i = 0; i < 4; i++) r |= ((((a >> 8 * i) & 0xff) - ((b >> 8 * i) & 0xff)) & 0xff) << 8 * i;
+  return r;
+}
+#define __global__
+#define __shared__ static
+
+template <class F> void launch(dim3 grid, dim3 block, F kernel, int64_t only = -1) {
+  // the grid's blocks one after another (`only`: just that block), each with its threads at once
+  gridDim = grid; blockDim = block;
+  for (unsigned by = 0; by < grid.y; by++)
+    for (unsigned bx = 0; bx < grid.x; bx++) {
+      if (only >= 0 && bx + (int64_t)by * grid.x != only) continue;
+      Barrier bar(block.x);
+      block_barrier = &bar;
+      warp_barriers.clear();
+      for (unsigned w = 0; w < block.x / 32; w++) warp_barriers.emplace_back(new Barrier(32));
+      lanes.assign(block.x, 0);
+      std::vector<std::thread> threads;
+      for (unsigned t = 0; t < block.x; t++)
+        threads.emplace_back([&, t] { threadIdx = dim3{t, 0, 0}; blockIdx = dim3{bx, by, 0}; kernel(); });
+      for (auto& th : threads) th.join();
+    }
+}
+"""
+
+# what kernels.LAUNCH_CU does, with launch() in place of <<<grid, block>>>
+LAUNCHER = r"""
+std::vector<torch::Tensor> run(torch::Tensor x, torch::Tensor w, torch::Tensor gamma, torch::Tensor y,
+                               int64_t only, int64_t variant) {  // 0: kernels.py's, 1: MUTANT, 2: OLD
+  const int M = x.size(0), K = x.size(1), N = w.size(0), Kp = 4 * w.size(1);
+  auto xq = torch::empty({M, Kp}, torch::kChar);
+  auto s = torch::empty({M}, torch::kFloat);
+  auto q = variant == 1 ? mutant::quantize_rows : variant == 2 ? old::quantize_rows : quantize_rows;
+  auto g = variant == 1 ? mutant::ternary_gemv : variant == 2 ? old::ternary_gemv : ternary_gemv;
+  launch(dim3{(unsigned)M}, dim3{256}, [&] { q(x.data_ptr<float>(), xq.data_ptr<int8_t>(), s.data_ptr<float>(), K, Kp); });
+  launch(dim3{(unsigned)(N + 3) / 4, (unsigned)(M + 3) / 4}, dim3{128}, [&] {
+    g(xq.data_ptr<int8_t>(), w.data_ptr<uint8_t>(), s.data_ptr<float>(), gamma.data_ptr<float>(), y.data_ptr<float>(),
+      M, N, Kp); }, only);
+  return {xq, s};
+}
+"""
+
+# one index broken on purpose: the column of the third word of a uint4 read as the second's
+MUTANT = kernels.GEMV_CU.replace('#include <cstdint>', '').replace('+ 4 * (j % 4) + t;', '+ 4 * (j % 4) + (t == 2 ? 1 : t);')
+# the kernel as it was, its indices into x and y computed in int
+OLD = kernels.GEMV_CU.replace('#include <cstdint>', '').replace('[(size_t)(m0 + m)', '[(m0 + m)')
+
+
+@pytest.fixture(scope='module')
+def emulator():
+    from torch.utils.cpp_extension import load_inline
+    assert MUTANT.count('(t == 2 ? 1 : t)') == 1 and OLD.count('[(m0 + m)') == 2
+    source = HEADER + kernels.GEMV_CU + ''.join(f'namespace {name} {{\n{src}\n}}\n' for name, src in
+                                                (('mutant', MUTANT), ('old', OLD))) + LAUNCHER
+    return load_inline('nanobitnet_cuda_on_cpu', source, functions=['run'], extra_cflags=['-O1'])
+
+
+def emulated(emulator, x, w, gamma, variant=0):
+    y = torch.full((x.shape[0], w.shape[0]), float('nan'))
+    emulator.run(x.contiguous(), w, gamma, y, -1, variant)
+    return y
+
+
+CASES = [(M, K, N) for M in (1, 3, 4, 5, 16) for K, N in ((64, 32), (256, 7), (4100, 13))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('M,K,N', CASES)
+def test_cuda_kernels_on_the_cpu_equal_the_reference(emulator, M, K, N):
+    g = torch.Generator().manual_seed(M * 10_000 + K + N)
+    x = torch.randn(M, K, generator=g) * torch.rand(M, 1, generator=g) * 4
+    x[0, 0] = 100.0  # one token's absmax far above the rest
+    if M > 2:
+        x[1] = 0.0  # an all-zero token
+    w_q = torch.randint(-1, 2, (N, K), generator=g)
+    w, gamma = kernels.pack(w_q), torch.tensor([0.0371])
+    want = kernels.linear_reference(x, w, gamma)
+    assert torch.equal(emulated(emulator, x, w, gamma), want)
+    # the harness can fail: a copy with one index broken gives other numbers
+    assert not torch.equal(emulated(emulator, x, w, gamma, variant=1), want)
+
+
+def last_block(emulator, x, w, gamma, y, variant, want):
+    """In a forked child: the grid's last block alone; exit 0 if it wrote `want` where it belongs."""
+    emulator.run(x, w, gamma, y, (w.shape[0] + 3) // 4 - 1, variant)  # rows N-4 .. N-1
+    os._exit(0 if torch.equal(y[:, -4:], want) else 3)
+
+
+@pytest.mark.slow
+def test_output_index_past_2_to_the_31(emulator, tmp_path):
+    """A long prefill with a large vocabulary: M * N > 2^31 outputs. The index of y must not wrap
+    around, as it did while it was an int (a crash or a write to the wrong place). Only the grid's
+    last block runs, against sparse files: y has 2^31 + 16 floats (8 GiB) and w 2^29 + 4 rows, but
+    only their last pages are touched."""
+    M, K, N = 4, 64, 2 ** 29 + 4
+    assert M * N > 2 ** 31 - 1
+    w = torch.from_numpy(np.memmap(tmp_path / 'w', np.uint8, 'w+', shape=(N, 64)))
+    y = torch.from_numpy(np.memmap(tmp_path / 'y', np.float32, 'w+', shape=(M, N)))
+    w_q = torch.randint(-1, 2, (4, K), generator=torch.Generator().manual_seed(0))
+    w[-4:] = kernels.pack(w_q)
+    x, gamma = torch.randn(M, K, generator=torch.Generator().manual_seed(1)), torch.tensor([0.5])
+    want = kernels.linear_reference(x, kernels.pack(w_q), gamma)
+    exits = []
+    for variant in (0, 2):  # kernels.py's, then the int-indexed one
+        child = multiprocessing.get_context('fork').Process(target=last_block, args=(emulator, x, w, gamma, y,
+                                                                                       variant, want))
+        child.start()
+        child.join()
+        exits.append(child.exitcode)
+    assert exits[0] == 0 and exits[1] != 0, exits
