@@ -231,3 +231,18 @@ def test_llama_cpp_runs_the_real_model_ternary_and_fp(tmp_path):
     diff, top1 = agreement(ternary, tmp_path / 'f16.gguf', tokens, T=512)
     print(f"SmolLM2 ternary, F16: max |logit diff| {diff:.4f}, top-1 agreement {top1:.4f}")
     assert diff < 1.0 and top1 >= 0.98  # fp16 activations in llama.cpp; a wrong tensor or norm gives ~0.1
+
+
+def test_export_from_the_command_line_carries_the_chat_template(tmp_path):
+    ckpt = tmp_path / 'ckpt'
+    Transformer(ModelConfig(vocab_size=320, n_layer=1, bitnet=True)).save_pretrained(str(ckpt))
+    (ckpt / 'chat_template.jinja').write_text("{% for m in messages %}<|im_start|>{{ m['content'] }}{% endfor %}")
+    r = subprocess.run([sys.executable, 'sample.py', f'--ckpt={ckpt}', f'--export={tmp_path / "m.gguf"}',
+                        '--export_dtype=float16'], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and 'wrote' in r.stdout, r.stderr
+    reader = gguf.GGUFReader(str(tmp_path / 'm.gguf'))
+    assert field(reader, 'tokenizer.chat_template').startswith('{% for m in messages %}')
+    assert {t.name: t.tensor_type for t in reader.tensors}['token_embd.weight'] == T.F16
+    r = subprocess.run([sys.executable, 'sample.py', f'--ckpt={ckpt}', f'--export={tmp_path / "x.gguf"}',
+                        '--export_ternary=tq3'], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and r.stderr.count('\n') == 1 and 'tq2_0' in r.stderr  # one line, the choices
