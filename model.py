@@ -301,13 +301,13 @@ class Transformer(nn.Module):
         model.load_state_dict(sd, strict=False)
         return model.to(dtype)
 
-    def save_pretrained(self, path):
+    def save_pretrained(self, path, state_dict=None):
         """Write config.json + model.safetensors that transformers loads as LlamaForCausalLM,
         or as BitNetForCausalLM for a ternary model (latent weights quantized online; packed
         2-bit weights, the offline format, once frozen)."""
         os.makedirs(path, exist_ok=True)
         sd = {('' if k.startswith('lm_head') else 'model.') + k: v.detach().contiguous()
-              for k, v in self.state_dict().items()}
+              for k, v in (state_dict or self.state_dict()).items()}
         if self.config.tie_embeddings:
             sd.pop('lm_head.weight')  # safetensors stores a tensor once; HF re-ties on load
         save_file(sd, os.path.join(path, 'model.safetensors'), metadata={'format': 'pt'})

@@ -25,6 +25,9 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bitlinear import set_lambda
@@ -36,6 +39,7 @@ from objectives import (IGNORE, OBJECTIVES, SCHEDULES, CurriculumScheduler, Loca
                         RemoteTeacher, ZClip, auto_batch_size, ce_loss, lr_factor, lr_range_test,
                         make_optimizers, param_groups, preference_pairs, source_scores, write_svg)
 
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole, on rank 0's CPU
 _imported = set(globals())  # everything defined below, up to the ruler, is a setting
 # -----------------------------------------------------------------------------
 # default settings: a tiny ternary model on the offline corpus, trained on the CPU
@@ -104,6 +108,7 @@ weight_decay = 0.1     # two_stage: drops to 0 at the midpoint, with the LR
 beta1 = 0.9
 beta2 = 0.95
 zero1 = False          # shard the optimizer state over the DDP ranks (ZeRO stage 1)
+fsdp = False           # shard weights, gradients and optimizer state over the ranks (FSDP2)
 grad_clip = 1.0        # max grad norm (0: none); with zclip, the fixed clip of its first 25 steps
 zclip = False          # adaptive clipping of grad-norm spikes by their z-score (ZClip)
 zclip_z = 2.5
@@ -136,6 +141,9 @@ if ddp:
                  f"must be a multiple of the {world_size} ranks")
     gradient_accumulation_steps //= world_size  # the same global batch on any number of ranks
 master = rank == 0  # logs, checkpoints and samples
+if fsdp and (not ddp or zero1 or optimizer != 'adamw' or lr_find or (compile and device == 'cpu')):
+    sys.exit('error: fsdp=True runs under torchrun, with AdamW, and without zero1, lr_find or compile on '
+             'CPU (Muon needs whole matrices); drop one of them')
 device_type = 'cuda' if device.startswith('cuda') else 'cpu'
 ptdtype = {k: getattr(torch, k) for k in ('float32', 'bfloat16', 'float16')}.get(dtype)
 if ptdtype is None:
@@ -362,11 +370,18 @@ def set_lr(optimizers, factor):
     return {f"lr_{g['name']}": g['lr'] for opt in optimizers for g in opt.param_groups}
 
 
+if fsdp:  # each block is all-gathered for its forward and backward, then freed (fp32 on CPU)
+    for v in raw_model.state_dict().values():  # rank 0's weights everywhere, as DDP broadcasts them
+        dist.broadcast(v, 0)
+    policy = MixedPrecisionPolicy(ptdtype, torch.float32) if device_type == 'cuda' else MixedPrecisionPolicy()
+    for block in raw_model.layers:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(raw_model, mp_policy=policy)
 optimizers = new_optimizers()
 zclipper = ZClip(zclip_z, max_norm=grad_clip) if zclip else None
 if state is not None:
     for opt, sd in zip(optimizers, state['optimizers']):
-        opt.load_state_dict(sd)
+        opt.load_state_dict(sd) if not fsdp else set_optimizer_state_dict(raw_model, opt, sd, options=FULL)
     scaler.load_state_dict(state['scaler'])
     if zclipper:
         vars(zclipper).update(state['zclip'])
@@ -381,7 +396,7 @@ if state is not None:
         print(f"resumed from {start} at step {step}: weights, optimizer, schedule, RNG and data "
               f"position restored (best val {best_val:.4f} at step {best_step})")
 model = torch.compile(model) if compile else model
-model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None) if ddp else model
+model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None) if ddp and not fsdp else model
 
 
 def all_mean(x):
@@ -396,8 +411,9 @@ def micro_steps(step, b):
     # the logged loss is the mean over all micro-steps, not the last one's
     loss_sum, metrics = torch.zeros((), device=device), {}
     for micro in range(gradient_accumulation_steps):
-        if ddp:  # all-reduce the gradients only once, after the last micro-step
-            model.require_backward_grad_sync = micro == gradient_accumulation_steps - 1
+        if ddp:  # all-reduce (or reduce-scatter) the gradients only once, after the last micro-step
+            sync = micro == gradient_accumulation_steps - 1
+            raw_model.set_requires_gradient_sync(sync) if fsdp else setattr(model, 'require_backward_grad_sync', sync)
         with ctx:
             loss, parts = manager(model, b, step / max_steps)
         if micro + 1 < gradient_accumulation_steps:  # fetch the next batch while the GPU works
@@ -414,7 +430,8 @@ def clip_gradients():
     for opt in optimizers:
         scaler.unscale_(opt)
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])  # a DTensor under FSDP: all shards'
+    norm = norm.full_tensor() if fsdp else norm
     adaptive = zclipper is not None and zclipper.adaptive
     # a CPU-GPU sync. A non-finite step is skipped, and ZClip must never see it: a NaN in its
     # statistics would turn spike clipping off for the rest of the run
@@ -471,7 +488,10 @@ def save_checkpoint(step, data_state):
         dist.all_gather_object(rngs, mine)
     for opt in optimizers if zero1 and ddp else []:
         opt.consolidate_state_dict(to=0)
-    failed = [write_checkpoint(step, rngs) if master else None]
+    # FSDP: the full weights and optimizer state, gathered to rank 0's CPU one tensor at a time
+    weights = get_model_state_dict(raw_model, options=FULL) if fsdp else None
+    opts = [get_optimizer_state_dict(raw_model, o, options=FULL) if fsdp else o.state_dict() for o in optimizers]
+    failed = [write_checkpoint(step, rngs, weights, opts) if master else None]
     if ddp:  # every rank learns whether rank 0's write failed, so that none waits in a collective
         dist.broadcast_object_list(failed, src=0)
     if failed[0]:
@@ -480,7 +500,7 @@ def save_checkpoint(step, data_state):
         sys.exit(f"error: {failed[0]}" if master else 1)
 
 
-def write_checkpoint(step, rngs):
+def write_checkpoint(step, rngs, weights, opts):
     """Rank 0's part of a save: None, or why it failed. The manifest (sizes and sha256 of the
     files) is written last; a failed write leaves no temporary directory and every earlier
     checkpoint as it was."""
@@ -492,7 +512,7 @@ def write_checkpoint(step, rngs):
               f"the last checkpoint took {need / 2**20:.1f} MiB", file=sys.stderr)
     try:
         shutil.rmtree(tmp, ignore_errors=True)
-        raw_model.save_pretrained(tmp)
+        raw_model.save_pretrained(tmp, weights)
         if tokenizer_file:  # the tokenizer (and its chat template, if any) goes with the weights
             shutil.copy(tokenizer_file, os.path.join(tmp, 'tokenizer.json'))
             for extra in ('tokenizer_config.json', 'chat_template.jinja'):
@@ -500,7 +520,7 @@ def write_checkpoint(step, rngs):
                     shutil.copy(found, tmp)
         torch.save(dict(
             step=step, best_val=best_val, best_step=best_step, bad_evals=bad_evals,
-            optimizers=[opt.state_dict() for opt in optimizers], scaler=scaler.state_dict(),
+            optimizers=opts, scaler=scaler.state_dict(),
             rng=rngs, zclip=vars(zclipper) if zclipper else None, config=config,
             tokenizer=tokenizer_name, commit=commit), os.path.join(tmp, 'train_state.pt'))
         manifest = {}
@@ -603,7 +623,7 @@ while step < max_steps:
     rec, improved, stop = {}, False, False
     if step % eval_interval == 0 or last:
         rec['val_loss'] = evaluate()
-        if eval_prompts and master:
+        if eval_prompts and (master or fsdp):  # under FSDP every rank takes part in each forward
             rec['samples'] = continuations(eval_prompts, 48)  # read them beside the losses
         improved = rec['val_loss'] < best_val - min_delta
         if improved:
@@ -647,10 +667,10 @@ while step < max_steps:
                   f"(best {best_val:.4f} at step {best_step})")
         break
 
-if master and sample_tokens:
+if (master or fsdp) and sample_tokens:
     # at temperature 0.6 the tiny default model writes mostly real words (0.8: mostly made-up ones)
     text = 'The ' + continuations(['The '], sample_tokens, temperature=0.6, top_k=50)[0]
-    print('-' * 40 + '\n' + text + '\n' + '-' * 40)
+    master and print('-' * 40 + '\n' + text + '\n' + '-' * 40)
 if ddp:
     dist.destroy_process_group()
     # gloo threads free the last collectives' tensors under the GIL; exiting first aborts (SIGABRT)

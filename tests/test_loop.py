@@ -369,3 +369,49 @@ def test_lr_finder_writes_a_curve_and_trains(tmp_path):
     svg = open(os.path.join(out, 'lr_find.svg')).read()
     assert svg.startswith('<svg') and '<polyline' in svg
     assert log(out)[0]['lr_hidden'] == pytest.approx(lr / 2, rel=1e-2)  # warmup step 1 of 2 at the suggested LR (printed to 3 digits)
+
+
+@pytest.mark.slow
+def test_fsdp_matches_one_process_resumes_exactly_and_opens_in_transformers(tmp_path, teacher_dir):
+    """FSDP2 (fully_shard per block, then the model) on 2 gloo ranks against one process with the same
+    global batch: the same losses to 1e-5 relative, plain and with a local teacher (KD + attention
+    KD); after a SIGKILL (of every rank) and --init_from=resume the losses equal an uninterrupted
+    FSDP run's bit for bit; and the gathered checkpoint opens in transformers with our logits."""
+    args = ['--max_steps=10', '--gradient_accumulation_steps=2', '--ckpt_interval=2']
+    distil = [f'--teacher={teacher_dir}', "--objectives={'ce': {}, 'kd': {}, 'attn': {'layer': -1, 'heads': 2}}",
+              "--curriculum=[(1.0, {'ce': 1.0, 'kd': 1.0, 'attn': 1.0})]"]
+    for extra in ([], distil):
+        one, two = str(tmp_path / f'one{len(extra)}'), str(tmp_path / f'two{len(extra)}')
+        assert run([*args, *extra, f'--out_dir={one}']).returncode == 0
+        r = torchrun([*args, *extra, '--fsdp=True', f'--out_dir={two}'])
+        assert r.returncode == 0, r.stderr
+        for x, y in zip(log(one), log(two), strict=True):
+            assert abs(x['loss'] - y['loss']) <= 1e-5 * abs(x['loss']), (x, y)
+    killed = str(tmp_path / 'killed')
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', 'train.py', *TINY, *args,
+           '--fsdp=True', f'--out_dir={killed}']
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    wait_for(os.path.join(killed, 'ckpt_0000004'), proc)
+    os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
+    proc.wait()
+    r = torchrun([*args, '--fsdp=True', f'--out_dir={killed}', '--init_from=resume'])
+    assert r.returncode == 0 and 'resumed from' in r.stdout, r.stderr
+    plain = str(tmp_path / 'two0')  # the uninterrupted FSDP run without a teacher
+    assert [x['loss'] for x in log(killed)] == [x['loss'] for x in log(plain)]
+    transformers = pytest.importorskip('transformers')
+    from model import Transformer
+    ckpt = os.path.join(plain, 'ckpt_0000010')
+    x = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        ours = Transformer.from_pretrained(ckpt)(x)
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(ckpt)(x).logits
+    assert (ours - theirs).abs().max() < 1e-4
+
+
+@pytest.mark.slow
+def test_fsdp_refuses_what_it_cannot_do(tmp_path):
+    r = run(['--fsdp=True', '--max_steps=1', f'--out_dir={tmp_path}'])  # one process: nothing to shard over
+    assert r.returncode == 1 and r.stderr.count('\n') == 1 and 'fsdp=True runs under torchrun' in r.stderr
+    r = torchrun(['--fsdp=True', '--optimizer=muon', '--max_steps=1', '--gradient_accumulation_steps=2', f'--out_dir={tmp_path}'])
+    assert r.returncode != 0 and [line for line in r.stderr.splitlines() if 'Muon' in line], r.stderr
