@@ -6,6 +6,7 @@ offline corpus, on the CPU, in a few minutes:
     python train.py config/tiny_fp.py                # its full-precision twin
     python train.py --init_from=resume               # carry on from the last checkpoint
     torchrun --nproc_per_node=2 train.py             # DDP: gloo on CPU, nccl on CUDA
+    torchrun --nproc_per_node=2 train.py --fsdp=True # FSDP2: weights, grads, AdamW sharded
 
 The script reads top to bottom like nanoGPT's: settings, DDP, data, model, objectives,
 optimizer, the loop. A checkpoint is a Hugging Face directory (transformers opens it) plus
