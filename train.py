@@ -491,7 +491,8 @@ def save_checkpoint(step, data_state):
         opt.consolidate_state_dict(to=0)
     # FSDP: the full weights and optimizer state, gathered to rank 0's CPU one tensor at a time
     weights = get_model_state_dict(raw_model, options=FULL) if fsdp else None
-    opts = [get_optimizer_state_dict(raw_model, o, options=FULL) if fsdp else o.state_dict() for o in optimizers]
+    opts = [get_optimizer_state_dict(raw_model, o, options=FULL) for o in optimizers] if fsdp else \
+        [o.state_dict() for o in optimizers] if master else None  # ZeRO-1's: consolidated on rank 0 only
     failed = [write_checkpoint(step, rngs, weights, opts) if master else None]
     if ddp:  # every rank learns whether rank 0's write failed, so that none waits in a collective
         dist.broadcast_object_list(failed, src=0)
