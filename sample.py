@@ -2,7 +2,7 @@
 Generate text from a checkpoint:
 
     python sample.py                          # the latest checkpoint in out/
-    python sample.py --ckpt=out/ckpt_0000300 --prompt="def " --num_tokens=200
+    python sample.py --ckpt=out/ckpt_0000750 --prompt="def " --num_tokens=200
     python sample.py --ckpt=out --export=model.gguf  # write it for llama.cpp instead
 
 `ckpt` is a checkpoint directory written by train.py or any Hugging Face Llama/BitNet
