@@ -169,11 +169,12 @@ def gguf_vocab(enc, vocab_size):
         raise ValueError(f"tokenizer {enc.name!r}: llama.cpp has no pre-tokenizer for its regex; "
                          f"use a GPT-2, SmolLM2 or Llama 3 style tokenizer")
     glyph, special = byte_alphabet(), {enc.encode_single_token(s) for s in enc.special_tokens_set}
-    ranks = {enc.decode_single_token_bytes(i): i for i in range(enc.n_vocab) if i not in special}
+    pieces = [enc.decode_single_token_bytes(i) for i in range(enc.n_vocab)]
+    ranks = {p: i for i, p in enumerate(pieces) if i not in special}
     spell = lambda b: ''.join(glyph[c] for c in b)
     types = [5 if i >= enc.n_vocab else 3 if i in special else 1 for i in range(vocab_size)]
-    tokens = [f'[PAD{i}]' if t == 5 else enc.decode_single_token_bytes(i).decode() if t == 3
-              else spell(enc.decode_single_token_bytes(i)) for i, t in enumerate(types)]
+    tokens = [f'[PAD{i}]' if t == 5 else pieces[i].decode() if t == 3 else spell(pieces[i])
+              for i, t in enumerate(types)]
     merges = []
     for token in ranks:  # in id order, which is rank order
         segs = [token[i:i + 1] for i in range(len(token))]

@@ -170,16 +170,21 @@ def model_dir(src):
     return ckpts[-1] if ckpts else resolve_model(src)
 
 
+def fingerprint(path):
+    """[size, sha256] of a file: what a checkpoint's manifest.json records for each of its files."""
+    with open(path, 'rb') as f:
+        return [os.fstat(f.fileno()).st_size, hashlib.file_digest(f, 'sha256').hexdigest()]
+
+
 def damage(ckpt):
     """What is wrong with a checkpoint, or None: it is complete when every file its manifest.json
     (written last) names has the size and sha256 it records. A disk can cut or flip bytes later."""
     try:
         with open(os.path.join(ckpt, 'manifest.json')) as f:
             manifest = json.load(f)
-        for name, (size, sha) in manifest.items():
-            with open(os.path.join(ckpt, name), 'rb') as f:
-                if os.fstat(f.fileno()).st_size != size or hashlib.file_digest(f, 'sha256').hexdigest() != sha:
-                    return f"{name} is damaged (its size or sha256 is not the one in manifest.json)"
+        for name, recorded in manifest.items():
+            if fingerprint(os.path.join(ckpt, name)) != recorded:
+                return f"{name} is damaged (its size or sha256 is not the one in manifest.json)"
     except (OSError, ValueError, TypeError) as e:
         return f"no readable manifest.json ({type(e).__name__}: {e})"
 
@@ -382,7 +387,10 @@ optimizers = new_optimizers()
 zclipper = ZClip(zclip_z, max_norm=grad_clip) if zclip else None
 if state is not None:
     for opt, sd in zip(optimizers, state['optimizers']):
-        opt.load_state_dict(sd) if not fsdp else set_optimizer_state_dict(raw_model, opt, sd, options=FULL)
+        if fsdp:  # a full state, saved by rank 0: each rank takes its shard
+            set_optimizer_state_dict(raw_model, opt, sd, options=FULL)
+        else:
+            opt.load_state_dict(sd)
     scaler.load_state_dict(state['scaler'])
     if zclipper:
         vars(zclipper).update(state['zclip'])
@@ -414,7 +422,10 @@ def micro_steps(step, b):
     for micro in range(gradient_accumulation_steps):
         if ddp:  # all-reduce (or reduce-scatter) the gradients only once, after the last micro-step
             sync = micro == gradient_accumulation_steps - 1
-            raw_model.set_requires_gradient_sync(sync) if fsdp else setattr(model, 'require_backward_grad_sync', sync)
+            if fsdp:
+                raw_model.set_requires_gradient_sync(sync)
+            else:
+                model.require_backward_grad_sync = sync
         with ctx:
             loss, parts = manager(model, b, step / max_steps)
         if micro + 1 < gradient_accumulation_steps:  # fetch the next batch while the GPU works
@@ -509,8 +520,8 @@ def write_checkpoint(step, rngs, weights, opts):
     final, tmp = (os.path.join(out_dir, f'{pre}ckpt_{step:07d}') for pre in ('', '.tmp_'))
     prev = checkpoints(out_dir)[-1:]
     need = sum(os.path.getsize(e.path) for e in os.scandir(prev[0])) if prev else 0
-    if need > shutil.disk_usage(out_dir).free:  # warn before a save that cannot fit, not half-way
-        print(f"warning: {out_dir} has {shutil.disk_usage(out_dir).free / 2**20:.1f} MiB free, "
+    if need > (free := shutil.disk_usage(out_dir).free):  # warn before a save that cannot fit
+        print(f"warning: {out_dir} has {free / 2**20:.1f} MiB free, "
               f"the last checkpoint took {need / 2**20:.1f} MiB", file=sys.stderr)
     try:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -525,10 +536,7 @@ def write_checkpoint(step, rngs, weights, opts):
             optimizers=opts, scaler=scaler.state_dict(),
             rng=rngs, zclip=vars(zclipper) if zclipper else None, config=config,
             tokenizer=tokenizer_name, commit=commit), os.path.join(tmp, 'train_state.pt'))
-        manifest = {}
-        for name in sorted(os.listdir(tmp)):
-            with open(os.path.join(tmp, name), 'rb') as f:
-                manifest[name] = [os.fstat(f.fileno()).st_size, hashlib.file_digest(f, 'sha256').hexdigest()]
+        manifest = {name: fingerprint(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
         with open(os.path.join(tmp, 'manifest.json'), 'w') as f:
             json.dump(manifest, f, indent=1)
         shutil.rmtree(final, ignore_errors=True)
@@ -672,7 +680,8 @@ while step < max_steps:
 if (master or fsdp) and sample_tokens:
     # at temperature 0.6 the tiny default model writes mostly real words (0.8: mostly made-up ones)
     text = 'The ' + continuations(['The '], sample_tokens, temperature=0.6, top_k=50)[0]
-    master and print('-' * 40 + '\n' + text + '\n' + '-' * 40)
+    if master:
+        print('-' * 40 + '\n' + text + '\n' + '-' * 40)
 if ddp:
     dist.destroy_process_group()
     # gloo threads free the last collectives' tensors under the GIL; exiting first aborts (SIGABRT)
