@@ -19,7 +19,7 @@ an unsigned x signed byte dot product (exactly x86's VNNI instruction vpdpbusd) 
 per token, with no per-weight subtraction. On NVIDIA GPUs, dp4a multiplies signed bytes, so
 there we subtract 1 from four codes at once (__vsub4) and use the weights directly.
 
-Four implementations of one integer op, (M, K) int8 x packed (N, K) -> (M, N) int32, each a
+Four implementations of one integer op, (M, K) int8 x packed (N, K) -> (M, N) int32, each also a
 torch.library.custom_op with a fake (shape-only) implementation, so that a model using them
 still compiles with torch.compile:
   reference  unpack to numbers and matmul: the definition, slow, used by the tests
@@ -86,6 +86,15 @@ def unpack(packed, K):
     return codes.view(packed.shape[0], -1)[:, :K].to(torch.int8) - 1
 
 
+def pack_int8(w):
+    """An fp matrix (N, K) -> int8 rows (N, Kp), Kp = K rounded up to 256, and a scale per row (N,),
+    absmax per row. For a matrix that is not ternary, an LM head: 4x fewer bytes than fp32. The ops
+    below take such weights too, as weight-only int8: y = x @ (W_q * scale)^T, x kept in fp32."""
+    scale = w.float().abs().amax(dim=1).clamp(min=1e-8) / 127
+    w_q = (w.float() / scale[:, None]).round().to(torch.int8)
+    return F.pad(w_q, (0, -w.shape[1] % BLOCK)), scale
+
+
 def quantize(x):
     """absmax per token, as in bitlinear.activation_quant: int8 x_q (M, K) and the scale s (M, 1)."""
     s = 127 / x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
@@ -93,12 +102,15 @@ def quantize(x):
 
 
 # ---------------------------------------------------------------- 1. reference, 2. torch.compile
-# Each implementation is the whole op: float activations (M, K), packed weights, gamma (1,)
-# -> float (M, N). Quantize, integer matmul, then the one fp multiply: float(acc) * (gamma / s).
+# Each implementation is the whole op: float activations (M, K), packed weights, gamma (1,) or one
+# per weight row (N,; fused matrices) -> float (M, N). Quantize, integer matmul, then the one fp
+# multiply: float(acc) * (gamma / s), with acc exact in fp32 (below 2^24).
 
 def _linear(mm, x, w, gamma):
+    if w.dtype == torch.int8:  # int8 weights (an LM head) take fp32 activations
+        return (x.float() @ w[:, :x.shape[1]].float().T) * gamma.float()
     x_q, s = quantize(x)
-    return mm(x_q, w).float() * (gamma.float() / s)  # acc is exact in fp32 below 2^24
+    return mm(x_q, w).float() * (gamma.float() / s)
 
 
 def _mm_double(x_q, w):
@@ -106,7 +118,6 @@ def _mm_double(x_q, w):
     return x_q.double() @ unpack(w, x_q.shape[1]).double().T
 
 
-@torch.library.custom_op('nanobitnet::linear_reference', mutates_args=())
 def linear_reference(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
     return _linear(_mm_double, x, w, gamma)
 
@@ -122,7 +133,6 @@ def _compiled():
     return torch.compile(functools.partial(_linear, _mm_fused), dynamic=True)
 
 
-@torch.library.custom_op('nanobitnet::linear_compile', mutates_args=())
 def linear_compile(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
     return _compiled()(x, w, gamma)
 
@@ -250,15 +260,16 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma, int6
   auto xf = x.to(torch::kFloat).contiguous();
   auto xq = torch::zeros({M, Kp}, x.options().dtype(torch::kChar));  // zero-padded to whole blocks
   std::vector<int32_t> S(M);  // sum q x = sum c x - sum x
-  std::vector<float> G(M);    // gamma / s
-  const float g = gamma.to(torch::kFloat).item<float>();
-  for (int64_t m = 0; m < M; m++)
-    G[m] = g / quantize(xf.data_ptr<float>() + m * K, K, xq.data_ptr<int8_t>() + m * Kp, &S[m]);
+  std::vector<float> s(M);
+  for (int64_t m = 0; m < M; m++) s[m] = quantize(xf.data_ptr<float>() + m * K, K, xq.data_ptr<int8_t>() + m * Kp, &S[m]);
+  auto g = gamma.to(torch::kFloat).contiguous();  // one gamma, or one per weight row (fused matrices)
+  const float* G = g.data_ptr<float>();
+  const int64_t gs = g.numel() > 1;
   auto y = torch::empty({M, N}, xf.options());
   const int8_t* X = xq.data_ptr<int8_t>();
   const uint8_t* W = w.data_ptr<uint8_t>();
   float* Y = y.data_ptr<float>();
-  // threads split the weight rows, at least 32 KiB of weights each; decode reads them one row at a time
+  // threads split the weight rows, at least 32K weights each; decode reads them one row at a time
   const int64_t R = M < 4 ? 1 : 4;
   at::parallel_for(0, (N + R - 1) / R, std::max<int64_t>(1, 32768 / Kp / R), [&](int64_t t0, int64_t t1) {
     for (int64_t n = R * t0, nr; n < std::min(R * t1, N); n += nr) {
@@ -268,9 +279,47 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma, int6
         int32_t acc[16];
         tiles[isa - 1][nr == 4][mr - 1](X + m * Kp, W + n * Kp / 4, Kp, acc);
         for (int i = 0; i < mr; i++)
-          for (int j = 0; j < nr; j++) Y[(m + i) * N + n + j] = float(acc[i * nr + j] - S[m + i]) * G[m + i];
+          for (int j = 0; j < nr; j++) Y[(m + i) * N + n + j] = float(acc[i * nr + j] - S[m + i]) * (G[gs * (n + j)] / s[m + i]);
       }
     }
+  });
+  return y;
+}
+
+// Weights only, for an LM head (kernels.pack_int8): the activations stay fp32 (quantizing the final
+// hidden state per token to int8 cost SmolLM2 0.011 nats of held-out loss), and each int8 row is
+// widened to fp32 in registers, 64 weights per step on 4 accumulators (AVX-512; plain C++ otherwise)
+__attribute__((target("avx512f"))) float dot_w8_avx512(const float* x, const int8_t* w, int64_t K) {
+  __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64)
+    for (int u = 0; u < 4; u++) {
+      __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + k + 16 * u))));
+      a[u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + k + 16 * u), a[u]);
+    }
+  float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+  for (; k < K; k++) s += x[k] * w[k];
+  return s;
+}
+
+float dot_w8(const float* x, const int8_t* w, int64_t K) {
+  float s = 0;
+  for (int64_t k = 0; k < K; k++) s += x[k] * w[k];
+  return s;
+}
+
+torch::Tensor linear_w8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, int64_t isa) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), ld = w.size(1);
+  auto xf = x.to(torch::kFloat).contiguous();
+  auto sc = scale.to(torch::kFloat).contiguous();
+  auto y = torch::empty({M, N}, xf.options());
+  const float *X = xf.data_ptr<float>(), *G = sc.data_ptr<float>();
+  const int8_t* W = w.data_ptr<int8_t>();
+  float* Y = y.data_ptr<float>();
+  auto dot = isa == 2 ? dot_w8_avx512 : dot_w8;
+  at::parallel_for(0, N, std::max<int64_t>(1, 32768 / ld), [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++)
+      for (int64_t m = 0; m < M; m++) Y[m * N + n] = dot(X + m * K, W + n * ld, K) * G[n];
   });
   return y;
 }
@@ -280,13 +329,13 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma, int6
 @functools.cache
 def _cpp():
     from torch.utils.cpp_extension import load_inline  # torch caches the build across runs
-    return load_inline('nanobitnet_cpu', CPP, functions=['linear', 'simd'], extra_cflags=['-O3', '-fopenmp'],
+    return load_inline('nanobitnet_cpu', CPP, functions=['linear', 'linear_w8', 'simd'], extra_cflags=['-O3', '-fopenmp'],
                        extra_ldflags=['-fopenmp'])
 
 
-@torch.library.custom_op('nanobitnet::linear_cpp', mutates_args=(), device_types='cpu')
 def linear_cpp(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
-    return _cpp().linear(x.contiguous(), w.contiguous(), gamma, _cpp().simd())
+    fn = _cpp().linear_w8 if w.dtype == torch.int8 else _cpp().linear
+    return fn(x.contiguous(), w.contiguous(), gamma, _cpp().simd())
 
 
 # ---------------------------------------------------------------- 4. CUDA kernel
@@ -321,7 +370,7 @@ __global__ void quantize_rows(const float* __restrict__ x, int8_t* __restrict__ 
 }
 
 __global__ void ternary_gemv(const int8_t* __restrict__ x, const uint8_t* __restrict__ w, const float* __restrict__ s,
-                             const float* __restrict__ gamma, float* __restrict__ y, int M, int N, int Kp) {
+                             const float* __restrict__ gamma, float* __restrict__ y, int M, int N, int Kp, int gs) {
   const int n = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   const int m0 = blockIdx.y * 4;  // up to 4 tokens per warp share each unpacked weight
   if (n >= N) return;
@@ -341,7 +390,7 @@ __global__ void ternary_gemv(const int8_t* __restrict__ x, const uint8_t* __rest
   }
   for (int m = 0; m < 4 && m0 + m < M; m++) {
     for (int o = 16; o > 0; o /= 2) acc[m] += __shfl_down_sync(0xffffffffu, acc[m], o);
-    if (lane == 0) y[(size_t)(m0 + m) * N + n] = (float)acc[m] * (gamma[0] / s[m0 + m]);  // M * N may pass 2^31
+    if (lane == 0) y[(size_t)(m0 + m) * N + n] = (float)acc[m] * (gamma[gs * n] / s[m0 + m]);  // M * N may pass 2^31
   }
 }
 """
@@ -362,7 +411,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma) {
   quantize_rows<<<M, 256, 0, stream>>>(x.data_ptr<float>(), xq.data_ptr<int8_t>(), s.data_ptr<float>(), K, Kp);
   const dim3 grid((N + 3) / 4, (M + 3) / 4);  // 4 warps (weight rows) per block of 128 threads
   ternary_gemv<<<grid, 128, 0, stream>>>(xq.data_ptr<int8_t>(), w.data_ptr<uint8_t>(), s.data_ptr<float>(),
-                                         gamma.data_ptr<float>(), y.data_ptr<float>(), M, N, Kp);
+                                         gamma.data_ptr<float>(), y.data_ptr<float>(), M, N, Kp, gamma.numel() > 1);
   return y;
 }
 """
@@ -380,16 +429,19 @@ def _int_mm(x_q, w):
     return torch._int_mm(x_q, unpack(w, x_q.shape[1]).T)
 
 
-@torch.library.custom_op('nanobitnet::linear_cuda', mutates_args=(), device_types='cuda')
 def linear_cuda(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
     (M, K), N = x.shape, w.shape[0]
-    if M > 16 and K % 8 == 0 and N % 8 == 0:
+    if w.dtype == torch.int8 or (M > 16 and K % 8 == 0 and N % 8 == 0):  # int8: _linear's matmul
         return _linear(_int_mm, x, w, gamma)
     return _cuda().linear(x, w.contiguous(), gamma)
 
 
 IMPLS = {'reference': linear_reference, 'compile': linear_compile, 'cpp': linear_cpp, 'cuda': linear_cuda}
-for op in IMPLS.values():
+# each one also as a custom op with a fake (shape-only) implementation, which torch.compile traces;
+# eager calls skip the op's Python dispatch, which costs as much as a small decode GEMV (~10 us)
+OPS = {name: torch.library.custom_op(f'nanobitnet::linear_{name}', fn, mutates_args=(),
+                                     device_types={'cpp': 'cpu', 'cuda': 'cuda'}.get(name)) for name, fn in IMPLS.items()}
+for op in OPS.values():
     op.register_fake(lambda x, w, gamma: x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32))
 
 
@@ -426,13 +478,14 @@ def _choose(device_type):
 
 
 def ternary_linear(x, w, gamma, impl=None):
-    """y = (x_q @ W_q^T) * gamma / s: x (..., K) float, w packed (N, Kp/4), gamma (1,) -> (..., N)
-    in x's dtype, by `impl` (one of IMPLS) or the fastest available."""
-    K = x.shape[-1]
-    if not 0 <= 4 * w.shape[1] - K < BLOCK:
-        raise ValueError(f"activations have K={K} but the weights were packed for K={4 * w.shape[1] - BLOCK + 1}.."
-                         f"{4 * w.shape[1]}; pack W_q of shape (N, {K}) with kernels.pack")
-    y = IMPLS[impl or best(x.device.type)](x.reshape(-1, K), w, gamma)  # (M, N) fp32
+    """y = (x_q @ W_q^T) * gamma / s: x (..., K) float, w packed (N, Kp/4) (or int8 (N, Kp), pack_int8),
+    gamma (1,) or (N,) -> (..., N) in x's dtype, by `impl` (one of IMPLS) or the fastest available."""
+    K, Kp = x.shape[-1], w.shape[1] * (1 if w.dtype == torch.int8 else 4)
+    if not 0 <= Kp - K < BLOCK:
+        raise ValueError(f"activations have K={K} but the weights were packed for K={Kp - BLOCK + 1}..{Kp}; "
+                         f"pack W_q of shape (N, {K}) with kernels.pack")
+    fn = (OPS if torch.compiler.is_compiling() else IMPLS)[impl or best(x.device.type)]
+    y = fn(x.reshape(-1, K), w, gamma)  # (M, N) fp32
     return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
 
 

@@ -24,6 +24,7 @@ ternary linears) BitNet b1.58 2B4T:
 - `save_gguf` writes the same model as a GGUF file that llama.cpp runs: a ternary model in
   its `bitnet` architecture, the codes in llama.cpp's own ternary blocks (kernels.py).
 """
+import functools
 import json
 import math
 import os
@@ -36,8 +37,9 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from bitlinear import SubLN, add_lrc, calibrate_subln, convert_to_bitnet, freeze, unpack_hf, weight_quant
-from kernels import pack_f16, pack_q8_0, pack_tq1_0, pack_tq2_0
+from bitlinear import SubLN, add_lrc, calibrate_subln, convert_to_bitnet, freeze, unpack_hf
+from bitlinear import weight_quant
+from kernels import pack_f16, pack_int8, pack_q8_0, pack_tq1_0, pack_tq2_0, ternary_linear
 
 
 @dataclass
@@ -65,7 +67,7 @@ class ModelConfig:
     def __post_init__(self):
         self.head_dim = self.head_dim or self.n_embd // self.n_head
         if self.n_head % self.n_kv_head:
-            raise ValueError(f"n_head={self.n_head} is not a multiple of n_kv_head {self.n_kv_head}")
+            raise ValueError(f"n_head {self.n_head} is no multiple of n_kv_head {self.n_kv_head}")
         if self.act not in ('silu', 'relu2'):
             raise ValueError(f"act={self.act!r} is not supported; use 'silu' or 'relu2'")
 
@@ -81,10 +83,12 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(C, cfg.n_kv_head * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, C, bias=bias)
         self.attn_sub_norm = SubLN(C, eps=cfg.norm_eps) if cfg.subln else nn.Identity()
+        self.fused = None
 
     def forward(self, x, cos, sin, cache=None, pos=0, causal=True, qkv=None):
         B, T, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, T, nh*hs), (B, T, nkv*hs) x2
+        # (B, T, nh*hs), (B, T, nkv*hs) x2; in one call once fused (Transformer.fuse)
+        q, k, v = self.fused(x) if self.fused else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         if qkv is not None:  # hand the projections' outputs to attention-relation distillation
             qkv += [q, k, v]
         # (B, T, nh*hs) -> (B, nh, T, hs); K and V have fewer (shared) heads under GQA
@@ -113,9 +117,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(H, C, bias=False)
         self.ffn_sub_norm = SubLN(H, eps=cfg.norm_eps) if cfg.subln else nn.Identity()
         self.act = F.silu if cfg.act == 'silu' else lambda g: F.relu(g).square()
+        self.fused = None
 
     def forward(self, x):
-        return self.down_proj(self.ffn_sub_norm(self.act(self.gate_proj(x)) * self.up_proj(x)))
+        g, u = self.fused(x) if self.fused else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(self.ffn_sub_norm(self.act(g) * u))
 
 
 class Block(nn.Module):
@@ -152,6 +158,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.grad_ckpt = False  # activation checkpointing, set by the trainer
+        self.head8 = None  # the int8 head of fuse()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
@@ -180,8 +187,8 @@ class Transformer(nn.Module):
             nn.init.zeros_(m.bias)
 
     def to_bitnet(self, calib=()):
-        """Swap every attention/MLP linear for a ternary BitLinear and insert SubLN: gain 1, or, given
-        a few batches of token ids `calib` (a pretrained model), gains calibrated on them (bitlinear.py)."""
+        """Swap every attention/MLP linear for a ternary BitLinear and insert SubLN: gain 1, or,
+        given a few batches of token ids `calib` (a pretrained model), gains calibrated on them."""
         convert_to_bitnet(self.layers, eps=self.config.norm_eps)
         self.config.bitnet = self.config.subln = True
         if calib:
@@ -202,13 +209,35 @@ class Transformer(nn.Module):
         self.config.packed = True
         return self
 
+    @torch.no_grad()
+    def fuse(self):
+        """Faster decode, for inference only, after freeze(). q/k/v (and gate/up) read one input,
+        so each group becomes one packed matrix: one activation quantization and one call instead
+        of three, every row keeping its matrix's gamma, so the outputs are the same numbers. The fp
+        head, most of the bytes a token reads in a small model, gets int8 rows with a scale per row
+        (4x fewer bytes, kernels.pack_int8; its effect on held-out loss is in the README).
+        Checkpoints are unchanged: the fused matrices are views of the same bytes, the int8 head a
+        copy."""
+        groups = [(b.self_attn, ('q_proj', 'k_proj', 'v_proj')) for b in self.layers]
+        for mod, names in groups + [(b.mlp, ('gate_proj', 'up_proj')) for b in self.layers]:
+            parts = [getattr(mod, n) for n in names]
+            if self.config.packed and all(p.bias is None and p.lrc_u is None for p in parts):
+                w, rows = torch.cat([p.weight for p in parts]), [p.out_features for p in parts]
+                g = torch.cat([p.weight_scale.expand(n) for p, n in zip(parts, rows)])
+                mod.fused = lambda x, w=w, g=g, rows=rows: ternary_linear(x, w, g).split(rows, -1)
+                for p, view in zip(parts, w.split(rows)):
+                    p.weight = view
+        w8, scale = pack_int8(self.lm_head.weight)
+        self.head8 = functools.partial(ternary_linear, w=w8, gamma=scale)
+        return self
+
     def num_params(self):
         return sum(p.numel() for p in self.parameters())  # tied weights are counted once
 
     def forward(self, idx, cache=None, pos=0, causal=True, feats=None):
-        """Logits (B, T, vocab), always. Distillation asks for more through `feats`, a dict filled in
-        place: feats['hidden'] (a list) gets every block's output, feats['qkv'] (a list) gets the q, k
-        and v projections of block feats['qkv_layer']."""
+        """Logits (B, T, vocab), always. Distillation asks for more through `feats`, a dict filled
+        in place: feats['hidden'] (a list) gets every block's output, feats['qkv'] (a list) gets
+        the q, k and v projections of block feats['qkv_layer']."""
         B, T = idx.shape
         if pos + T > self.config.max_seq_len:
             raise ValueError(f"{pos + T} tokens exceed max_seq_len={self.config.max_seq_len}")
@@ -218,13 +247,13 @@ class Transformer(nn.Module):
         for i, block in enumerate(self.layers):
             qkv = feats['qkv'] if i == feats.get('qkv_layer') else None
             args = (x, cos, sin, None if cache is None else cache[i], pos, causal, qkv)
-            if self.grad_ckpt and self.training:  # keep only block inputs; recompute the rest in backward
+            if self.grad_ckpt and self.training:  # keep block inputs; backward recomputes the rest
                 x = torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)
             else:
                 x = block(*args)
             if 'hidden' in feats:
                 feats['hidden'].append(x)
-        return self.lm_head(self.norm(x))  # (B, T, vocab)
+        return (self.head8 or self.lm_head)(self.norm(x))  # (B, T, vocab)
 
     def flops_per_token(self, T):
         # 6 flops per parameter per token (forward + backward) plus attention's QK^T and AV
@@ -238,9 +267,8 @@ class Transformer(nn.Module):
         rows of an embedding larger than the tokenizer."""
         cfg, (B, T) = self.config, idx.shape
         p = next(self.parameters())
-        shape = (B, cfg.n_kv_head, T + max_new_tokens, cfg.head_dim)
-        cache = [(torch.empty(shape, device=p.device, dtype=p.dtype), torch.empty(shape, device=p.device, dtype=p.dtype))
-                 for _ in range(cfg.n_layer)]
+        shape = (2, B, cfg.n_kv_head, T + max_new_tokens, cfg.head_dim)  # K and V
+        cache = [torch.empty(shape, device=p.device, dtype=p.dtype) for _ in range(cfg.n_layer)]
         logits, pos = self(idx, cache, 0), 0
         for _ in range(max_new_tokens):
             logits = logits[:, -1, :vocab].float()
@@ -262,9 +290,9 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, dtype=torch.float32):
-        """Load a Hugging Face Llama or BitNet checkpoint directory (online: latent weights; offline:
-        packed, loaded frozen): config.json plus model.safetensors, or shards listed in
-        model.safetensors.index.json. (A hub id is fetched into a directory by data.resolve_model.)"""
+        """Load a Hugging Face Llama or BitNet checkpoint directory (online: latent weights;
+        offline: packed, loaded frozen): config.json plus model.safetensors, or shards listed in
+        model.safetensors.index.json. (data.resolve_model fetches a hub id into a directory.)"""
         if not os.path.isfile(os.path.join(path, 'config.json')):
             raise FileNotFoundError(f"{path!r} is not a checkpoint directory (no config.json)")
         with open(os.path.join(path, 'config.json')) as f:
@@ -282,18 +310,18 @@ class Transformer(nn.Module):
             try:
                 sd.update(load_file(file))
             except (OSError, SafetensorError) as e:
-                raise ValueError(f"cannot read {file} ({e}); re-download or re-save the checkpoint") from None
-        sd = {k.removeprefix('model.'): v.to(dtype) if v.is_floating_point() else v  # packed weights stay uint8
+                raise ValueError(f"cannot read {file} ({e}); download or save it again") from None
+        sd = {k.removeprefix('model.'): v.to(dtype) if v.is_floating_point() else v  # packed: uint8
               for k, v in sd.items() if not k.endswith('rotary_emb.inv_freq')}
         if (hf.get('quantization_config') or {}).get('linear_class') == 'bitlinear':
-            for k in [k for k in sd if k.endswith('weight_scale')]:  # the old class stores 1/gamma ...
+            for k in [k for k in sd if k.endswith('weight_scale')]:  # the old class: 1/gamma ...
                 bias = k.removesuffix('weight_scale') + 'bias'
                 if bias in sd:  # ... and adds the bias unscaled; ours is stored as bias / gamma
                     sd[bias] = sd[bias] * sd[k]
                 sd[k] = 1 / sd[k]
-        if model.config.tie_embeddings:
+        if tied := model.config.tie_embeddings:
             sd.pop('lm_head.weight', None)
-        own = {k for k in model.state_dict() if not (model.config.tie_embeddings and k == 'lm_head.weight')}
+        own = {k for k in model.state_dict() if not (tied and k == 'lm_head.weight')}
         missing, unexpected = own - sd.keys(), sd.keys() - own
         if missing or unexpected:
             raise ValueError(f"checkpoint {path!r} does not match its config.json: "
@@ -322,16 +350,18 @@ class Transformer(nn.Module):
         """Write a GGUF file that llama.cpp runs: a ternary model in its `bitnet` architecture (the
         two sub-norms, the head tied to the embedding), each ternary matrix exactly, W_q with d =
         gamma in fp16, as TQ2_0 or TQ1_0 (Q8_0 or F16 for rows whose length is not a multiple of
-        256; see kernels.py), or all Q8_0 or F16; an fp model in its `llama` architecture. The embedding (and an untied
-        head) in `dtype` (fp32 or fp16), norms in fp32. `vocab`: data.gguf_vocab's keys."""
+        256; see kernels.py), or all Q8_0 or F16; an fp model in its `llama` architecture. The
+        embedding (and an untied head) in `dtype` (fp32 or fp16), norms in fp32. `vocab`:
+        data.gguf_vocab's keys."""
         cfg, arch = self.config, 'bitnet' if self.config.bitnet else 'llama'
+        b = cfg.bitnet
         lacks = [what for what, bad in (
             ('low-rank corrections', cfg.lrc_rank), ('ReLU^2 (it uses SiLU)', cfg.act != 'silu'),
-            ('attention biases', cfg.bitnet and cfg.attention_bias), ('SubLN', cfg.subln and not cfg.bitnet),
-            ('an untied head', cfg.bitnet and not cfg.tie_embeddings),
-            ('head_dim * n_head != n_embd', cfg.bitnet and cfg.head_dim * cfg.n_head != cfg.n_embd)) if bad]
+            ('attention biases', b and cfg.attention_bias), ('SubLN', cfg.subln and not b),
+            ('an untied head', b and not cfg.tie_embeddings),
+            ('head_dim * n_head != n_embd', b and cfg.head_dim * cfg.n_head != cfg.n_embd)) if bad]
         if lacks or ternary not in GGUF_TERNARY or dtype not in (torch.float32, torch.float16):
-            raise ValueError(f"cannot export to GGUF: llama.cpp's {arch} architecture has no {', '.join(lacks)}"
+            raise ValueError(f"no GGUF export: llama.cpp's {arch} model has no {', '.join(lacks)}"
                              if lacks else f"ternary type {ternary!r} or dtype {dtype} unknown; use"
                              f" {'/'.join(GGUF_TERNARY)} and torch.float32/float16")
         tensors = []  # (GGUF name, ggml type, torch shape, bytes)
@@ -339,12 +369,14 @@ class Transformer(nn.Module):
             if k.endswith('weight_scale') or (k == 'lm_head.weight' and cfg.tie_embeddings):
                 continue
             parts = k.split('.')
-            name = ('blk.' + parts[1] + '.' if parts[0] == 'layers' else '') + GGUF_NAMES[parts[-2]] + '.' + parts[-1]
+            blk = f'blk.{parts[1]}.' if parts[0] == 'layers' else ''
+            name = blk + GGUF_NAMES[parts[-2]] + '.' + parts[-1]
             if cfg.bitnet and k.endswith('proj.weight'):
                 m = self.get_submodule(k.removesuffix('.weight'))
                 w_q, gamma = (unpack_hf(v, m.out_features), m.weight_scale) if cfg.packed else weight_quant(v)
                 # the asked type if the row length fits its blocks, else the next one that does
-                pack, kind, _ = next(GGUF_TERNARY[t] for t in (ternary, 'q8_0', 'f16') if w_q.shape[1] % GGUF_TERNARY[t][2] == 0)
+                fits = [GGUF_TERNARY[t] for t in (ternary, 'q8_0', 'f16')]
+                pack, kind, _ = next(f for f in fits if w_q.shape[1] % f[2] == 0)
                 tensors.append((name, kind, w_q.shape, pack(w_q, gamma).numpy().tobytes()))
                 continue
             if arch == 'llama' and parts[-2] in ('q_proj', 'k_proj'):
@@ -353,29 +385,33 @@ class Transformer(nn.Module):
                 heads = cfg.n_head if parts[-2] == 'q_proj' else cfg.n_kv_head
                 v = v.reshape(heads, 2, -1, *v.shape[1:]).transpose(1, 2).reshape(v.shape)
             kind = 1 if v.dim() == 2 and dtype == torch.float16 else 0  # ggml's F16, F32
-            tensors.append((name, kind, v.shape, v.to(dtype if kind else torch.float32).numpy().tobytes()))
-        kv = {'general.architecture': arch, 'general.file_type': GGUF_FILE_TYPE[ternary if cfg.bitnet else dtype],
-              f'{arch}.vocab_size': cfg.vocab_size, f'{arch}.context_length': cfg.max_seq_len,
-              f'{arch}.embedding_length': cfg.n_embd, f'{arch}.block_count': cfg.n_layer,
-              f'{arch}.feed_forward_length': cfg.intermediate_size, f'{arch}.rope.dimension_count': cfg.head_dim,
-              f'{arch}.attention.head_count': cfg.n_head, f'{arch}.attention.head_count_kv': cfg.n_kv_head,
-              f'{arch}.attention.key_length': cfg.head_dim, f'{arch}.attention.value_length': cfg.head_dim,
-              f'{arch}.rope.freq_base': float(cfg.rope_theta),
-              f'{arch}.attention.layer_norm_rms_epsilon': float(cfg.norm_eps), **vocab}
+            tensors.append((name, kind, v.shape, (v.half() if kind else v.float()).numpy().tobytes()))
+        hs, att = cfg.head_dim, 'attention.'
+        meta = {'vocab_size': cfg.vocab_size, 'context_length': cfg.max_seq_len,
+                'embedding_length': cfg.n_embd, 'block_count': cfg.n_layer,
+                'feed_forward_length': cfg.intermediate_size, 'rope.dimension_count': hs,
+                'rope.freq_base': float(cfg.rope_theta), att + 'key_length': hs,
+                att + 'value_length': hs,
+                att + 'head_count': cfg.n_head, att + 'head_count_kv': cfg.n_kv_head,
+                att + 'layer_norm_rms_epsilon': float(cfg.norm_eps)}
+        kv = {'general.architecture': arch, 'general.file_type': GGUF_FILE_TYPE[ternary if b else dtype],
+              **{f'{arch}.{k}': v for k, v in meta.items()}, **vocab}
         for which in ('bos', 'eos'):
             if getattr(cfg, which + '_token_id') is not None:
                 kv[f'tokenizer.ggml.{which}_token_id'] = getattr(cfg, which + '_token_id')
         write_gguf(path, kv, tensors)
 
 
-GGUF_NAMES = dict(embed_tokens='token_embd', norm='output_norm', lm_head='output', input_layernorm='attn_norm',
-                  q_proj='attn_q', k_proj='attn_k', v_proj='attn_v', o_proj='attn_output',
-                  attn_sub_norm='attn_sub_norm', post_attention_layernorm='ffn_norm', gate_proj='ffn_gate',
-                  up_proj='ffn_up', down_proj='ffn_down', ffn_sub_norm='ffn_sub_norm')
+GGUF_NAMES = dict(embed_tokens='token_embd', norm='output_norm', lm_head='output',
+                  input_layernorm='attn_norm', q_proj='attn_q', k_proj='attn_k', v_proj='attn_v',
+                  o_proj='attn_output', attn_sub_norm='attn_sub_norm',
+                  post_attention_layernorm='ffn_norm', gate_proj='ffn_gate', up_proj='ffn_up',
+                  down_proj='ffn_down', ffn_sub_norm='ffn_sub_norm')
 # packer, ggml type, the multiple a row's length must be; all exact (F16 fits any row, at 16 bits)
-GGUF_TERNARY = {'tq2_0': (pack_tq2_0, 35, 256), 'tq1_0': (pack_tq1_0, 34, 256), 'q8_0': (pack_q8_0, 8, 32),
-                'f16': (pack_f16, 1, 1)}
-GGUF_FILE_TYPE = {torch.float32: 0, torch.float16: 1, 'f16': 1, 'q8_0': 7, 'tq1_0': 36, 'tq2_0': 37}  # LLAMA_FTYPE_*
+GGUF_TERNARY = {'tq2_0': (pack_tq2_0, 35, 256), 'tq1_0': (pack_tq1_0, 34, 256),
+                'q8_0': (pack_q8_0, 8, 32), 'f16': (pack_f16, 1, 1)}
+# LLAMA_FTYPE_*
+GGUF_FILE_TYPE = {torch.float32: 0, torch.float16: 1, 'f16': 1, 'q8_0': 7, 'tq1_0': 36, 'tq2_0': 37}
 
 
 def write_gguf(path, kv, tensors):
@@ -388,8 +424,8 @@ def write_gguf(path, kv, tensors):
 
     def value(v):  # -> GGUF type id, bytes
         if isinstance(v, (bool, int, float, str)):
-            kind = {bool: 7, int: 4, float: 6, str: 8}[type(v)]
-            return kind, string(v) if kind == 8 else struct.pack({7: '?', 4: '<I', 6: '<f'}[kind], v)
+            kind, fmt = {bool: (7, '?'), int: (4, '<I'), float: (6, '<f'), str: (8, '')}[type(v)]
+            return kind, string(v) if kind == 8 else struct.pack(fmt, v)
         kind = 5 if v and isinstance(v[0], int) else 8
         items = b''.join(string(x) for x in v) if kind == 8 else struct.pack(f'<{len(v)}i', *v)
         return 9, struct.pack('<IQ', kind, len(v)) + items
@@ -419,11 +455,11 @@ HF_KEYS = dict(vocab_size='vocab_size', n_layer='num_hidden_layers', n_embd='hid
 def config_from_hf(hf):
     kind = hf.get('model_type')
     if kind not in ('llama', 'bitnet', 'bitnet_lrc'):
-        raise ValueError(f"model_type {kind!r} is not supported; use a Llama-layout checkpoint (llama, bitnet)")
+        raise ValueError(f"model_type {kind!r} is not supported; use a llama or bitnet checkpoint")
     kind = 'bitnet' if kind == 'bitnet_lrc' else kind
     rope = hf.get('rope_parameters') or hf.get('rope_scaling') or {}
     if rope.get('rope_type', rope.get('type', 'default')) != 'default':
-        raise ValueError(f"rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported; only plain RoPE is")
+        raise ValueError(f"rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported")
     if hf.get('mlp_bias'):
         raise ValueError("mlp_bias=true is not supported; Llama-family MLPs here have no bias")
     quant = hf.get('quantization_config') or {}
@@ -436,15 +472,15 @@ def config_from_hf(hf):
     kw['rope_theta'] = float(rope.get('rope_theta', hf.get('rope_theta', 10000.0)))
     kw.setdefault('tie_embeddings', False)  # the Llama default
     kw['bitnet'] = kw['subln'] = kind == 'bitnet'
-    kw['packed'] = kind == 'bitnet' and (mode == 'offline' or linear == 'bitlinear')  # that class is always packed
+    kw['packed'] = kind == 'bitnet' and (mode == 'offline' or linear == 'bitlinear')  # always packed
     return ModelConfig(**kw)
 
 
 def config_to_hf(cfg, dtype):
     hf = {theirs: getattr(cfg, ours) for ours, theirs in HF_KEYS.items()}
-    hf.update(rope_theta=cfg.rope_theta, rope_parameters={'rope_type': 'default', 'rope_theta': cfg.rope_theta},
-              dtype=str(dtype).removeprefix('torch.'), mlp_bias=False, model_type='llama',
-              architectures=['LlamaForCausalLM'])
+    hf.update(rope_theta=cfg.rope_theta, dtype=str(dtype).removeprefix('torch.'), mlp_bias=False,
+              rope_parameters={'rope_type': 'default', 'rope_theta': cfg.rope_theta},
+              model_type='llama', architectures=['LlamaForCausalLM'])
     if cfg.bitnet:
         if cfg.head_dim * cfg.n_head != cfg.n_embd:
             raise ValueError("BitNetForCausalLM needs head_dim * n_head == n_embd")
@@ -452,7 +488,7 @@ def config_to_hf(cfg, dtype):
                   quantization_config={'quant_method': 'bitnet', 'linear_class': 'autobitlinear',
                                        'quantization_mode': 'offline' if cfg.packed else 'online'})
         if cfg.lrc_rank:  # transformers has no low-rank corrections and would drop them silently:
-            hf.update(model_type='bitnet_lrc', architectures=['BitNetLRCForCausalLM'])  # a type it refuses
+            hf.update(model_type='bitnet_lrc', architectures=['BitNetLRCForCausalLM'])  # it refuses
     elif cfg.subln:
         raise ValueError("an fp model with SubLN has no transformers class; convert it to BitNet")
     return hf

@@ -97,7 +97,7 @@ std::vector<torch::Tensor> run(torch::Tensor x, torch::Tensor w, torch::Tensor g
   launch(dim3{(unsigned)M}, dim3{256}, [&] { q(x.data_ptr<float>(), xq.data_ptr<int8_t>(), s.data_ptr<float>(), K, Kp); });
   launch(dim3{(unsigned)(N + 3) / 4, (unsigned)(M + 3) / 4}, dim3{128}, [&] {
     g(xq.data_ptr<int8_t>(), w.data_ptr<uint8_t>(), s.data_ptr<float>(), gamma.data_ptr<float>(), y.data_ptr<float>(),
-      M, N, Kp); }, only);
+      M, N, Kp, gamma.numel() > 1); }, only);
   return {xq, s};
 }
 """
@@ -135,7 +135,8 @@ def test_cuda_kernels_on_the_cpu_equal_the_reference(emulator, M, K, N):
     if M > 2:
         x[1] = 0.0  # an all-zero token
     w_q = torch.randint(-1, 2, (N, K), generator=g)
-    w, gamma = kernels.pack(w_q), torch.tensor([0.0371])
+    w = kernels.pack(w_q)  # one gamma, or one per row (q/k/v or gate/up fused into one matrix)
+    gamma = torch.tensor([0.0371]) if M % 2 else torch.rand(N, generator=g) + 0.01
     want = kernels.linear_reference(x, w, gamma)
     assert torch.equal(emulated(emulator, x, w, gamma), want)
     # the harness can fail: a copy with one index broken gives other numbers

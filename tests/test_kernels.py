@@ -124,6 +124,26 @@ def test_cpp_is_bit_identical_to_reference(cpp, isa):
         assert torch.equal(cpp.linear(x, w, gamma, isa), ref), (M, N, K)
 
 
+@pytest.mark.parametrize('isa', [2, 1], ids=['avx512vnni', 'avx2'])
+def test_per_row_gamma_and_int8_head(cpp, isa):
+    """One gamma per row (q/k/v fused into one matrix) is each row's own gamma, bit for bit; int8
+    rows (an LM head, kernels.pack_int8) are weight-only int8: fp32 x times W_q * scale."""
+    if isa > cpp.simd():
+        pytest.skip("this CPU lacks AVX-512 VNNI")
+    for M, N, K in SHAPES:
+        x, gamma, w3 = torch.randn(M, K), torch.rand(N) + 0.01, kernels.pack(ternary(N, K))
+        rows = [kernels.ternary_linear(x, w3[n:n + 1], gamma[n:n + 1], impl='reference') for n in range(N)]
+        assert torch.equal(kernels.ternary_linear(x, w3, gamma, impl='reference'), torch.cat(rows, 1))
+        assert torch.equal(cpp.linear(x, w3, gamma, isa), torch.cat(rows, 1))
+        w = torch.randn(N, K, generator=torch.Generator().manual_seed(N)) * torch.logspace(-3, 1, N)[:, None]
+        w8, scale = kernels.pack_int8(w)
+        assert w8.dtype == torch.int8 and w8.shape == (N, -(-K // 256) * 256) and w8.abs().max() == 127
+        assert (w8[:, :K].float() * scale[:, None] - w).abs().max() <= scale.max() / 2 + 1e-6  # rounding only
+        want = (x.double() @ w8[:, :K].double().T * scale.double()).float()
+        for y in (cpp.linear_w8(x, w8, scale, isa), kernels.ternary_linear(x, w8, scale, impl='reference')):
+            assert torch.allclose(y, want, rtol=1e-5, atol=1e-5 * want.abs().max())
+
+
 def test_dispatch_uses_cpp_with_bf16_and_leading_dims(cpp):
     w_q = ternary(24, 200)
     x = torch.randn(2, 3, 200).bfloat16()
@@ -136,9 +156,9 @@ def test_dispatch_uses_cpp_with_bf16_and_leading_dims(cpp):
 def test_ops_have_fake_implementations(cpp):
     w, x, gamma = kernels.pack(ternary(13, 300)), torch.randn(3, 300), torch.ones(1)
     for name in ('reference', 'cpp'):
-        result = torch.library.opcheck(kernels.IMPLS[name], (x, w, gamma))
+        result = torch.library.opcheck(kernels.OPS[name], (x, w, gamma))
         assert set(result.values()) == {'SUCCESS'}, result
-    y = kernels.IMPLS['cuda'](x.to('meta'), w.to('meta'), gamma.to('meta'))  # shapes only, no GPU needed
+    y = kernels.OPS['cuda'](x.to('meta'), w.to('meta'), gamma.to('meta'))  # shapes only, no GPU needed
     assert y.shape == (3, 13) and y.dtype == torch.float32
 
 
