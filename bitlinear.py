@@ -1,34 +1,25 @@
 """
 BitLinear: the 1.58-bit linear layer of BitNet b1.58 (Ma et al. 2024, "The Era of 1-bit
-LLMs"), and the conversion of a model to it.
+LLMs"), the conversion of a model to it, and fine-tuning its frozen 2-bit form with LoRA.
 
-A BitLinear keeps ordinary fp "latent" weights, and in every forward pass quantizes
-- the weights to {-1, 0, +1} times one scale per matrix, gamma = mean(|W|) (absmean), and
-- the activations to int8, with one scale per token, s = 127 / max(|x|) (absmax),
-so that the matmul it computes is exactly what the int8 x ternary inference kernel computes:
+A BitLinear keeps fp "latent" weights, and in every forward pass quantizes the weights to
+{-1, 0, +1} times one scale per matrix, gamma = mean(|W|) (absmean), and the activations to
+int8 with one scale per token, s = 127 / max(|x|) (absmax), so that it computes exactly what
+the int8 x ternary inference kernel computes: y = (x_q @ W_q^T) * gamma / s.
+Rounding has no gradient, so training uses the straight-through estimator (STE, Bengio et
+al. 2013): the quantized value forward, the identity's gradient backward. Quantization warmup:
+ternary at once throws a pretrained model back to random-init loss, so the layer computes
+`x + lam * (quant(x) - x).detach()` and a trainer ramps lam from 0 (fp) to 1 (ternary).
 
-    y = (x_q @ W_q^T) * gamma / s
+Converting a model (`convert_to_bitnet`): the attention/MLP linears become BitLinears with the
+same weights (embeddings and LM head stay fp), and two RMSNorms ("SubLN", Wang et al. 2023) go
+before o_proj and down_proj, whose inputs are badly scaled for int8; ramped in with lambda and
+calibrated (`calibrate_subln`), they keep a converted model at lambda = 0 exactly itself.
 
-Rounding has no gradient, so training uses the straight-through estimator (STE,
-Bengio et al. 2013): the forward value is the quantized one, the backward pass treats the
-quantizer as the identity, `x + (quant(x) - x).detach()`.
-
-Quantization warmup: jumping from fp to ternary in one step throws a pretrained model
-back to random-init loss. With `lam` in [0, 1] the layer computes
-`x + lam * (quant(x) - x).detach()`, so lam = 0 is the fp layer, lam = 1 the ternary one,
-and a trainer ramps lam up over the first steps.
-
-Converting a model (`convert_to_bitnet`): every attention/MLP linear becomes a BitLinear
-that keeps the same weights; embeddings and the LM head stay fp; and two RMSNorms ("SubLN",
-Wang et al. 2023, used by BitNet b1.58 2B4T and BitDistill) go right before o_proj and
-down_proj, whose inputs are otherwise badly scaled for int8. They ramp in with lambda, so a
-converted pretrained model at lambda = 0 is still exactly the pretrained one, and their gains
-start from the scale of their inputs, measured on a few batches (`calibrate_subln`).
-
-Freezing (`freeze`), for inference: every BitLinear becomes a PackedBitLinear that keeps only
-the 2-bit weights and gamma (16x less memory than fp32) and runs the integer kernels of
-kernels.py. This file needs only torch and can be copied into another project alone; without
-kernels.py beside it, packed layers unpack their weights in pure torch (same numbers, slower).
+Freezing (`freeze`): each BitLinear becomes a PackedBitLinear that keeps only the 2-bit weights
+and gamma (16x less memory than fp32) for the integer kernels of kernels.py; LoRA adapters
+(`add_lora`) then fine-tune that frozen base. This file needs only torch and can be copied
+alone; without kernels.py, packed layers unpack in pure torch (same numbers, slower).
 """
 import torch
 import torch.nn as nn
@@ -50,15 +41,13 @@ def activation_quant(x):
 
 
 def ste(x, value):
-    """`value` in the forward pass, the identity's gradient (to x) in the backward: the straight-through
-    estimator. Exactly `value`, because x - x is exactly 0 (x + (value - x) would round)."""
+    """`value` forward, the identity's gradient (to x) backward: the STE (exact: x - x is 0)."""
     return value.detach() + (x - x.detach())
 
 
 class BitLinear(nn.Linear):
-    """nn.Linear with fake-quantized (ternary) weights and int8 activations, trained with
-    the STE. The weights it stores are the latent fp ones, so its state dict is that of an
-    nn.Linear, which is what transformers' online BitNet format holds."""
+    """nn.Linear with fake-quantized (ternary) weights and int8 activations, trained with the
+    STE. It stores the latent fp weights: an nn.Linear's state dict, transformers' online format."""
 
     def __init__(self, in_features, out_features, bias=False, device=None, dtype=None):
         super().__init__(in_features, out_features, bias, device, dtype)
@@ -69,12 +58,10 @@ class BitLinear(nn.Linear):
 
     def reference(self, x):
         """The definition: fake-quantize (blended with the fp values by lam), straight-through, F.linear.
-        Fully ternary, the value is taken from the same product computed in integers,
-        F.linear(x_q, W_q) * gamma / s, which is exact (fp32 sums integers below 2^24 exactly), as in the
-        int8 kernel. F.linear(x_q / s, gamma * W_q) rounds differently in the last bit; the next layer's
-        quantizer turns such a difference into another int8 code now and then, and 200 training steps
-        later the loss curves were 0.1-0.2 apart (bench.py curve). Defined this way, the fast path below
-        is not close to the definition but equal to it."""
+        Fully ternary, the value is the integer product F.linear(x_q, W_q) * gamma / s (exact in
+        fp32), as in the int8 kernel. F.linear(x_q / s, gamma * W_q) rounds differently in the last
+        bit, which the next quantizer turns into other int8 codes now and then: 200 steps later such
+        loss curves were 0.1-0.2 apart (bench.py curve). So the fast path equals the definition."""
         w_q, gamma = weight_quant(self.weight.detach())
         x_q, s = activation_quant(x.detach())
         w = ste(self.weight, torch.lerp(self.weight.float(), w_q * gamma, self.lam))  # lerp is exact at lam = 1
@@ -92,9 +79,8 @@ class BitLinear(nn.Linear):
 
 
 def int8_matmul(a, b):
-    """a (M, K) @ b (N, K)^T for int8 a, b, accumulated exactly in int32 (returned as fp32).
-    torch._int_mm runs it on int8 units (VNNI on x86, tensor cores on GPU) where the shapes
-    allow; otherwise fp32, which is exact too while K * 127 < 2^24."""
+    """a (M, K) @ b (N, K)^T for int8 a, b, exact in int32 (returned as fp32): torch._int_mm on int8
+    units (VNNI, tensor cores) where the shapes allow, else fp32, exact too while K * 127 < 2^24."""
     if a.shape[0] > 16 and a.shape[1] % 8 == 0 and b.shape[0] % 8 == 0:
         return torch._int_mm(a, b.t()).float()
     return a.float() @ b.float().t()
@@ -102,12 +88,11 @@ def int8_matmul(a, b):
 
 class BitLinearFunction(torch.autograd.Function):
     """`reference` as one autograd Function: the same numbers, bit for bit, faster and lighter.
-    Autograd through `reference` keeps fp32 copies of the fake-quantized x and W for backward and
-    runs an fp32 matmul. But fully ternary, the forward is an integer matmul, y = (x_q @ W_q^T) * gamma / s,
-    and the STE gradients
+    Autograd through `reference` keeps fp32 copies of the fake-quantized x and W and runs an fp32
+    matmul. Fully ternary, the forward is an integer matmul, and the STE gradients
         grad_x = grad_y @ (gamma * W_q)        grad_W = grad_y^T @ (x_q / s)
-    need only the quantized tensors, so we save x_q and W_q as int8 (1 byte per value, not 4) plus one
-    scale per token. During warmup (lam < 1) it saves the fp32 blends, as autograd would."""
+    need only x_q and W_q, saved as int8 (1 byte, not 4) with one scale per token. During warmup
+    (lam < 1) it saves the fp32 blends, as autograd would."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, lam, ternary):
@@ -144,12 +129,10 @@ TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down
 
 
 class SubLN(nn.RMSNorm):
-    """The RMSNorm that SubLN puts before o_proj and down_proj, ramped in with the quantizers:
-    lerp(x, rmsnorm(x), lam). A pretrained model has no such norm, and one inserted at full
-    strength rescales every token's input of o_proj and down_proj to unit RMS, which destroys the
-    pretrained function before quantization starts (SmolLM2-135M: 2.31 -> 16 nats per token held
-    out). At lam = 0 the norm is the identity, so lambda = 0 is exactly the fp model; at lam = 1
-    it is a plain RMSNorm, the one transformers' BitNet has (lam is not saved)."""
+    """SubLN's RMSNorm, ramped in with the quantizers: lerp(x, rmsnorm(x), lam). At full strength
+    in a pretrained model it rescales every input of o_proj and down_proj to unit RMS, which
+    destroys it (SmolLM2-135M: 2.31 -> 16 nats per token held out). lam = 1 is transformers'
+    BitNet norm (lam is not saved)."""
 
     def __init__(self, dim, eps=1e-5, device=None, dtype=None):
         super().__init__(dim, eps=eps, device=device, dtype=dtype)
@@ -179,10 +162,8 @@ def convert_to_bitnet(module, eps=1e-5, targets=TARGETS):
 @torch.no_grad()
 def calibrate_subln(model, batches):
     """Set each SubLN's gain so that at lam = 1 it changes its input as little as a gain can: per
-    channel c, the least-squares g_c = sum(u_c x_c) / sum(u_c^2) over the tokens of `batches`, where
-    u = x / rms(x) is the normalized input. With gain 1 the norm would also rescale every channel to
-    unit RMS; calibrated, it only evens out the tokens' RMS. It runs at lambda 0, so that the inputs
-    seen are the fp model's, and leaves every lambda at 1, a converted model's default."""
+    channel c, g_c = sum(u_c x_c) / sum(u_c^2) over the tokens of `batches`, u = x / rms(x) (least
+    squares; gain 1 would rescale every channel to unit RMS). It runs at lambda 0, ends at 1."""
     norms = [m for m in model.modules() if isinstance(m, SubLN)]
     sums = {m: [0.0, 0.0] for m in norms}
 
@@ -206,11 +187,10 @@ def calibrate_subln(model, batches):
 
 
 def add_lrc(module, rank):
-    """Low-rank correction (LRC): y = BitLinear(x) + U (V^T x), with fp factors U (out, r) and
-    V^T (r, in) acting on the unquantized input. They start as the rank-r truncated SVD of
-    the quantization residual W - gamma * W_q, so the layer starts as close to its fp self
-    as rank r allows. (Both factors at zero would never move: each one's gradient is
-    proportional to the other.)"""
+    """Low-rank correction (LRC): y = BitLinear(x) + U (V^T x), with fp factors U (out, r) and V^T
+    (r, in) acting on the unquantized input. They start as the rank-r truncated SVD of the
+    quantization residual W - gamma * W_q, so the layer starts as close to its fp self as rank r
+    allows. (Both at zero would never move: each one's gradient is proportional to the other.)"""
     for m in module.modules():
         if isinstance(m, BitLinear):
             w_q, gamma = weight_quant(m.weight)
@@ -252,11 +232,10 @@ def unpack_hf(packed, N):
 
 
 class PackedBitLinear(nn.Module):
-    """A frozen BitLinear for inference: 2-bit weights and gamma, no latent fp weights. In memory
-    the weights are in kernels.py's layout when that file is there (the HF layout otherwise);
-    the state dict is always transformers' offline format: `weight` uint8 (ceil(out/4), in) in
-    the HF layout, `weight_scale` (1,) = gamma, and `bias / gamma`, because transformers' offline
-    AutoBitLinear scales its output, bias included: (x_q @ W_q^T / s + bias) * gamma."""
+    """A frozen BitLinear: 2-bit weights and gamma. In memory, kernels.py's layout when that file
+    is there (else the HF one); the state dict is transformers' offline format: `weight` uint8
+    (ceil(out/4), in) in the HF layout, `weight_scale` (1,) = gamma, and `bias / gamma`, as its
+    offline AutoBitLinear scales its output, bias included: (x_q @ W_q^T / s + bias) * gamma."""
 
     def __init__(self, w_q, gamma, bias=None):
         super().__init__()
@@ -266,13 +245,19 @@ class PackedBitLinear(nn.Module):
         self.bias = bias
         self.lrc_u = self.lrc_v = None
 
-    def forward(self, x):
+    def w_q(self):  # W_q (out, in) as int8, unpacked from the layout in memory
+        return unpack(self.weight, self.in_features) if has_kernels else \
+            unpack_hf(self.weight, self.out_features)
+
+    def matmul(self, x):
         if has_kernels:
-            y = ternary_linear(x, self.weight, self.weight_scale)
-        else:  # the same numbers: fp32 sums of integers below 2^24 are exact
-            x_q, s = activation_quant(x)
-            w_q = unpack_hf(self.weight, self.out_features).float()
-            y = (F.linear(x_q, w_q) * (self.weight_scale.float() / s)).to(x.dtype)
+            return ternary_linear(x, self.weight, self.weight_scale)
+        x_q, s = activation_quant(x)  # the same numbers: fp32 sums of integers below 2^24 are exact
+        return (F.linear(x_q, self.w_q().float()) * (self.weight_scale.float() / s)).to(x.dtype)
+
+    def forward(self, x):
+        # through autograd only when x needs a gradient (adapters below it train), not in decoding
+        y = PackedFunction.apply(x, self) if x.requires_grad else self.matmul(x)
         if self.bias is not None:
             y = y + self.bias
         if self.lrc_u is not None:
@@ -282,7 +267,7 @@ class PackedBitLinear(nn.Module):
     def _save_to_state_dict(self, dest, prefix, keep_vars):
         super()._save_to_state_dict(dest, prefix, keep_vars)
         if has_kernels:  # files hold the HF layout, whatever layout the kernels read
-            dest[prefix + 'weight'] = pack_hf(unpack(self.weight, self.in_features))
+            dest[prefix + 'weight'] = pack_hf(self.w_q())
         if self.bias is not None:
             dest[prefix + 'bias'] = self.bias.detach() / self.weight_scale
 
@@ -295,14 +280,80 @@ class PackedBitLinear(nn.Module):
         super()._load_from_state_dict(sd, prefix, *args)
 
 
+class PackedFunction(torch.autograd.Function):
+    """A packed layer, differentiable in x for the adapters below it (LoRA): the STE's grad_x =
+    grad_y @ (gamma * W_q), as in BitLinearFunction. W_q is unpacked for one layer's backward and
+    freed at once, so the base is never in fp32 as a whole. (grad_y is not int8, so the int8
+    kernels cannot compute it.)"""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        ctx.layer = layer
+        return layer.matmul(x)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        m, g = ctx.layer, grad_y.reshape(-1, grad_y.shape[-1])  # (M, N)
+        grad_x = g @ (m.w_q().to(g.dtype) * m.weight_scale.to(g.dtype))  # (M, K)
+        return grad_x.view(*grad_y.shape[:-1], -1), None
+
+
 @torch.no_grad()
 def freeze(module):
-    """In place, for inference: replace every BitLinear by a PackedBitLinear holding its ternary
-    weights and gamma (fully ternary, whatever its warmup lambda was)."""
+    """In place: every BitLinear becomes a PackedBitLinear of its W_q and gamma (at any lambda)."""
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, BitLinear):
                 packed = PackedBitLinear(*weight_quant(child.weight), child.bias)
                 packed.lrc_u, packed.lrc_v = child.lrc_u, child.lrc_v
                 setattr(parent, name, packed)
+    return module
+
+
+# ---------------------------------------------------------------- fine-tuning: LoRA adapters
+
+class LoRALinear(nn.Module):
+    """LoRA (Hu et al. 2021): a frozen linear `base_layer` plus a trainable low-rank update,
+    y = base_layer(x) + (alpha / r) * B(A(x)), A (r, in) random, B (out, r) zero, so training starts
+    at the base model and B's first gradient (grad_y^T A x) is not zero. Around a PackedBitLinear it
+    is QLoRA (Dettmers et al. 2023) with 2-bit weights, not 4-bit; merging B A would break their
+    ternary values, so the adapters stay beside them. PEFT's names: our keys are its keys."""
+
+    def __init__(self, base_layer, rank, alpha):
+        super().__init__()
+        self.base_layer, self.rank, self.alpha, self.scaling = base_layer, rank, alpha, alpha / rank
+        self.lora_A = nn.Linear(base_layer.in_features, rank, bias=False)  # kaiming, as PEFT
+        self.lora_B = nn.Linear(rank, base_layer.out_features, bias=False)
+        nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B(self.lora_A(x)) * self.scaling
+
+
+def add_lora(module, rank, alpha, targets=TARGETS):
+    """In place: wrap every child named in `targets` in a LoRALinear (freezing is the caller's)."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if name in targets:
+                setattr(parent, name, LoRALinear(child, rank, alpha))
+    return module
+
+
+def set_adapters(module, on):
+    """Switch every LoRA adapter on or off. Off (scaling 0, so they add exactly 0), the model is its
+    base, bit for bit: DPO's reference without a second copy of the model."""
+    for m in module.modules():
+        if isinstance(m, LoRALinear):
+            m.scaling = m.alpha / m.rank if on else 0.0
+
+
+@torch.no_grad()
+def merge_lora(module):
+    """In place: fold each adapter on an fp base into its weights, W += (alpha / r) B A, and unwrap
+    it: a plain model again. Adapters on ternary layers stay (W_q + B A would not be ternary)."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, LoRALinear) and type(child.base_layer) is nn.Linear:
+                child.base_layer.weight += child.scaling * child.lora_B.weight @ child.lora_A.weight
+                setattr(parent, name, child.base_layer)
     return module

@@ -281,6 +281,21 @@ class LocalTeacher:
         return {k: v.to(x.device) if torch.is_tensor(v) else [t.to(x.device) for t in v] for k, v in out.items()}
 
 
+class BaseTeacher(LocalTeacher):
+    """A LoRA student's frozen base as the teacher (DPO's reference): the student itself with its
+    adapters switched off by `switch(model, on)` (bitlinear.set_adapters), so the model is held once."""
+
+    def __init__(self, model, switch):
+        self.model, self.switch, self.n_layer = model, switch, len(model.layers)
+        self.device = next(model.parameters()).device
+
+    def __call__(self, *args):
+        self.switch(self.model, False)
+        out = super().__call__(*args)
+        self.switch(self.model, True)
+        return out
+
+
 class RemoteTeacher:
     """A vLLM server (OpenAI-compatible API). Per sequence we POST the token ids with
     prompt_logprobs=k; entry i of the answer holds the top-k of P(token_i | tokens < i), so
@@ -377,9 +392,10 @@ SCHEDULES = ('cosine', 'linear', 'constant', 'wsd', 'two_stage')
 
 def param_groups(model, lr, weight_decay, embed_lr=0.0, head_lr=0.0, scalar_lr=0.0):
     """Groups with their own base LRs (0: lr): the hidden matrices (2-D, in the blocks), the
-    embedding, an untied head, and the scalars (norm gains, biases), which are never decayed."""
+    embedding, an untied head, and the scalars (norm gains, biases), which are never decayed.
+    Frozen parameters (a LoRA base) are left out: no optimizer state for them."""
     groups = {'hidden': [], 'embed': [], 'head': [], 'scalar': []}
-    for name, p in model.named_parameters():
+    for name, p in ((n, p) for n, p in model.named_parameters() if p.requires_grad):
         kind = 'scalar' if p.dim() < 2 else {'embed_tokens': 'embed', 'lm_head': 'head'}.get(name.split('.')[0], 'hidden')
         groups[kind].append(p)
     lrs = {'hidden': lr, 'embed': embed_lr, 'head': head_lr, 'scalar': scalar_lr}
@@ -401,6 +417,23 @@ def make_optimizers(groups, kind='adamw', lr=1e-3, betas=(0.9, 0.95), zero1=Fals
     if zero1:
         return [ZeroRedundancyOptimizer(g, optimizer_class=cls, **kw) for cls, g, kw in made]
     return [cls(g, **kw) for cls, g, kw in made]
+
+
+def set_lr(optimizers, factor):
+    """Every group's LR: its base LR times factor. Returns them, for the log."""
+    for g in (g for opt in optimizers for g in opt.param_groups):
+        g['lr'] = g['base_lr'] * factor
+    return {f"lr_{g['name']}": g['lr'] for opt in optimizers for g in opt.param_groups}
+
+
+def optimizer_step(optimizers, scaler, skip=False):
+    """Each optimizer's step (none when skipped: a non-finite step), the fp16 gradient scaler's
+    update, and the gradients cleared for the next step."""
+    for opt in optimizers:
+        if not skip:
+            scaler.step(opt)
+        opt.zero_grad(set_to_none=True)
+    scaler.update()
 
 
 def lr_factor(step, max_steps, warmup_steps, schedule='cosine', floor=0.1, decay_frac=0.2):

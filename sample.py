@@ -4,6 +4,7 @@ Generate text from a checkpoint:
     python sample.py                          # the latest checkpoint in out/
     python sample.py --ckpt=out/ckpt_0000750 --prompt="def " --num_tokens=200
     python sample.py --ckpt=out --export=model.gguf  # write it for llama.cpp instead
+    python sample.py --ckpt=out-lora                 # a base model with LoRA adapters (train.py)
 
 `ckpt` is a checkpoint directory written by train.py or any Hugging Face Llama/BitNet
 directory; an out_dir picks its latest checkpoint. A ternary model runs packed (2-bit weights
@@ -11,14 +12,24 @@ and the int8 kernels of kernels.py) unless --packed=False. Prints the text, the 
 and the memory the weights take. --export=FILE writes the checkpoint as a GGUF file that
 llama.cpp runs (a ternary model in its `bitnet` architecture: model.save_gguf), with the
 tokenizer and, when the checkpoint has one, its chat template (data.gguf_vocab).
+
+A LoRA checkpoint (PEFT's adapter files, as train.py writes them with lora_rank > 0) is loaded
+onto the base model that its adapter_config.json names. On an fp base the adapters are merged
+into the weights (W += alpha / r * B A), and --merge=DIR writes that as a plain checkpoint. On a
+ternary base they stay beside the packed weights, since W_q + B A is no longer ternary; such a
+model cannot be exported to GGUF (llama.cpp takes LoRA adapters as a separate GGUF file, which
+this script does not write).
 """
 import json
 import os
+import shutil
 import sys
 import time
 
 import torch
+from safetensors.torch import load_file
 
+from bitlinear import add_lora, merge_lora
 from configurator import configure
 from data import chat_prompt, chat_template, get_tokenizer, gguf_vocab, resolve_model
 from model import Transformer
@@ -36,6 +47,7 @@ device = 'cuda' if torch.cuda.is_available() else 'cpu'
 export = ''            # a path: write the checkpoint there as GGUF for llama.cpp instead of sampling
 export_ternary = 'tq2_0'  # GGUF type of ternary matrices: 'tq2_0', 'tq1_0' (smaller, slower), 'q8_0', 'f16'
 export_dtype = 'float32'  # of the GGUF's embedding (and head): 'float32' or 'float16'
+merge = ''             # LoRA on an fp base: write the merged model there (a plain checkpoint) instead
 config = configure({k: v for k, v in globals().items() if not k.startswith('_') and
                     isinstance(v, (int, float, str))}, sys.argv[1:])
 globals().update(config)
@@ -47,11 +59,32 @@ if os.path.isdir(ckpt) and not os.path.exists(os.path.join(ckpt, 'config.json'))
     ckpt = os.path.join(ckpt, found[-1])
 try:
     ckpt = resolve_model(ckpt)  # a hub id is fetched into the cache first
-    model = Transformer.from_pretrained(ckpt).to(device).eval()
-except (OSError, ValueError, RuntimeError) as e:
+    lora = os.path.join(ckpt, 'adapter_config.json')
+    lora = json.load(open(lora)) if os.path.exists(lora) else None  # a LoRA checkpoint: adapters alone
+    model = Transformer.from_pretrained(lora['base_model_name_or_path'] if lora else ckpt).to(device).eval()
+    if lora:  # PEFT's names are ours behind its prefix: base_model.model.model.layers.<N>...
+        add_lora(model.layers, lora['r'], lora['lora_alpha'], lora['target_modules'])
+        sd = load_file(os.path.join(ckpt, 'adapter_model.safetensors'))
+        sd = {k.removeprefix('base_model.model.model.layers.'): v for k, v in sd.items()}
+        wrong = model.layers.load_state_dict(sd, strict=False)
+        if wrong.unexpected_keys or any('.lora_' in k for k in wrong.missing_keys):
+            raise ValueError("its adapter_model.safetensors does not hold the adapters adapter_config.json names")
+except (OSError, ValueError, RuntimeError, KeyError) as e:
     sys.exit(f"error: cannot load {ckpt!r}: {e}")
 if packed and model.config.bitnet and not model.config.packed:
     model.freeze()
+merge_lora(model)  # an fp base's adapters are folded into its weights; a ternary base keeps them
+if lora and (merge or export) and model.config.bitnet:
+    sys.exit("error: LoRA adapters on a ternary base cannot be merged (W_q + B A is not ternary) or exported "
+             "to GGUF; sample from the checkpoint instead")
+if merge and not lora:
+    sys.exit(f"error: --merge takes a LoRA checkpoint (with adapter_config.json); {ckpt} is a whole model")
+if merge:
+    model.save_pretrained(merge)
+    for extra in ('tokenizer.json', 'tokenizer_config.json', 'chat_template.jinja'):
+        if os.path.exists(os.path.join(ckpt, extra)):
+            shutil.copy(os.path.join(ckpt, extra), merge)
+    sys.exit(print(f"wrote {merge}: the base with its LoRA adapters merged"))
 weights = dict(model.named_parameters()) | {n: b for n, b in model.named_buffers() if n.endswith(('weight', 'weight_scale'))}
 weight_mb = sum(t.nbytes for t in weights.values()) / 2**20
 state_file = os.path.join(ckpt, 'train_state.pt')

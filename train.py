@@ -7,10 +7,11 @@ offline corpus, on the CPU, in a few minutes:
     python train.py --init_from=resume               # carry on from the last checkpoint
     torchrun --nproc_per_node=2 train.py             # DDP: gloo on CPU, nccl on CUDA
     torchrun --nproc_per_node=2 train.py --fsdp=True # FSDP2: weights, grads, AdamW sharded
+    python train.py config/lora.py                   # LoRA on a frozen, packed ternary model
 
 The script reads top to bottom like nanoGPT's: settings, DDP, data, model, objectives,
-optimizer, the loop. A checkpoint is a Hugging Face directory (transformers opens it) plus
-train_state.pt, which holds everything else a resumed run needs to continue bit for bit.
+optimizer, the loop. A checkpoint is a Hugging Face directory (transformers opens it; with LoRA,
+PEFT's adapter files) plus train_state.pt: everything else a resume needs, bit for bit.
 """
 import errno
 import hashlib
@@ -26,21 +27,24 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_optimizer_state_dict)
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from bitlinear import set_lambda
+from bitlinear import TARGETS, add_lora, set_adapters, set_lambda
 from configurator import configure
 from data import (Loader, Progress, eos_id, get_batch, get_tokenizer, offline_corpus, resolve_model,
                   same_encoding, setup_data)
 from model import ModelConfig, Transformer
-from objectives import (IGNORE, OBJECTIVES, SCHEDULES, CurriculumScheduler, LocalTeacher, ObjectiveManager,
-                        RemoteTeacher, ZClip, auto_batch_size, ce_loss, lr_factor, lr_range_test,
-                        make_optimizers, param_groups, preference_pairs, source_scores, write_svg)
+from objectives import (
+    IGNORE, OBJECTIVES, SCHEDULES, BaseTeacher, CurriculumScheduler, LocalTeacher, ObjectiveManager,
+    RemoteTeacher, ZClip, auto_batch_size, ce_loss, lr_factor, lr_range_test, make_optimizers,
+    optimizer_step, param_groups, preference_pairs, set_lr, source_scores, write_svg)
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole, on rank 0's CPU
+PEFT = 'base_model.model.model.layers.'  # PEFT's name of our model.layers in its adapter files
 _imported = set(globals())  # everything defined below, up to the ruler, is a setting
 # -----------------------------------------------------------------------------
 # default settings: a tiny ternary model on the offline corpus, trained on the CPU
@@ -86,6 +90,9 @@ bitnet = True          # ternary attention/MLP linears with SubLN; False gives t
 lambda_warmup = 0.0    # fraction of max_steps for quantization to ramp from fp (0) to ternary (1)
 subln_calib = 4        # converting a pretrained model: batches that calibrate SubLN (0: gain 1)
 lrc_rank = 0           # low-rank correction adapters on every BitLinear (0: none)
+lora_rank = 0          # LoRA: train only adapters of this rank; init_from frozen (ternary: packed)
+lora_alpha = 16.0      # the adapters' output is scaled by lora_alpha / lora_rank
+lora_targets = ','.join(TARGETS)  # the linears (of each block) that get adapters
 # objectives: name -> settings (see objectives.py), weighed by a curriculum of phases
 # [(end as a fraction of max_steps, {name: weight}), ...], switched or blended ('linear', 'cosine')
 objectives = {'ce': {}}
@@ -143,8 +150,12 @@ if ddp:
     gradient_accumulation_steps //= world_size  # the same global batch on any number of ranks
 master = rank == 0  # logs, checkpoints and samples
 if fsdp and (not ddp or zero1 or optimizer != 'adamw' or lr_find or (compile and device == 'cpu')):
-    sys.exit('error: fsdp=True runs under torchrun, with AdamW, and without zero1, lr_find or compile on '
-             'CPU (Muon needs whole matrices); drop one of them')
+    sys.exit('error: fsdp=True runs under torchrun, with AdamW, and without zero1, lr_find or '
+             'compile on CPU (Muon needs whole matrices); drop one of them')
+targets = lora_targets.split(',')
+if lora_rank and (init_from == 'scratch' or fsdp or lambda_warmup or set(targets) - set(TARGETS)):
+    sys.exit(f"error: lora_rank={lora_rank} adapts a trained model: set init_from, lora_targets "
+             f"among {','.join(TARGETS)}, and no fsdp or lambda_warmup")
 device_type = 'cuda' if device.startswith('cuda') else 'cpu'
 ptdtype = {k: getattr(torch, k) for k in ('float32', 'bfloat16', 'float16')}.get(dtype)
 if ptdtype is None:
@@ -164,8 +175,7 @@ def checkpoints(folder):
 
 
 def model_dir(src):
-    """The HF directory behind src: src itself, the latest checkpoint of a run's out_dir, or a hub
-    id fetched into the cache (data.py)."""
+    """The HF directory behind src: itself, a run's latest checkpoint, or a hub id's cached copy."""
     ckpts = [] if os.path.exists(os.path.join(src, 'config.json')) else checkpoints(src)
     return ckpts[-1] if ckpts else resolve_model(src)
 
@@ -177,8 +187,8 @@ def fingerprint(path):
 
 
 def damage(ckpt):
-    """What is wrong with a checkpoint, or None: it is complete when every file its manifest.json
-    (written last) names has the size and sha256 it records. A disk can cut or flip bytes later."""
+    """What is wrong with a checkpoint, or None when every file its manifest.json (written last)
+    names has the size and sha256 recorded there (a disk can cut or flip bytes later)."""
     try:
         with open(os.path.join(ckpt, 'manifest.json')) as f:
             manifest = json.load(f)
@@ -190,8 +200,8 @@ def damage(ckpt):
 
 
 def last_complete(folder):
-    """The newest complete checkpoint in a run's folder; damaged ones are set aside (renamed, not
-    deleted) with a one-line warning, so that the next saves cannot count them as kept."""
+    """The newest complete checkpoint in a run's folder; damaged ones are renamed (not deleted) with
+    a warning, so that the next saves cannot count them as kept."""
     for ckpt in reversed(checkpoints(folder)):
         if not (problem := damage(ckpt)):
             return ckpt
@@ -210,8 +220,9 @@ try:
     start = None if init_from == 'scratch' else last_complete(out_dir) if init_from == 'resume' else model_dir(init_from)
 except OSError as e:
     sys.exit(f"error: cannot load {init_from!r}: {e}")
-state = torch.load(os.path.join(start, 'train_state.pt'), weights_only=True) if init_from == 'resume' \
+state = torch.load(f'{start}/train_state.pt', weights_only=True) if init_from == 'resume' \
     else None  # the training state of the checkpoint we resume
+base = state['base'] if state and lora_rank else start  # a LoRA checkpoint holds adapters only
 own = start if start and os.path.exists(os.path.join(start, 'tokenizer.json')) else None
 tokenizer_name = state['tokenizer'] if state else tokenizer or own or 'bytes'
 tokenizer_file = next((f for f in (os.path.join(tokenizer_name, 'tokenizer.json'), tokenizer_name)
@@ -223,9 +234,9 @@ def train_loader():
     return Loader(mixture or dataset, batch_size, block_size, 'train', rank, world_size, seed)
 
 
-# data: the offline corpus, or token shards that data.py downloads and prepares once (local rank 0
-# works, the others wait). A resumed run sees exactly the batches it would have seen: the corpus's
-# batches are a function of (seed, step, sequence index); checkpoints hold the shard loader's place.
+# data: the offline corpus, or token shards data.py prepares once (local rank 0; the others wait). A
+# resume sees the batches it would have seen: the corpus's are a function of (seed, step, index),
+# checkpoints hold the shard loader's place.
 try:
     enc = get_tokenizer(tokenizer_name)
     if own and tokenizer_name != own and not same_encoding(enc, get_tokenizer(own)):
@@ -277,20 +288,19 @@ def load(src):
 
 # model: from scratch, from the last checkpoint, or from a Hugging Face directory
 step, best_val, best_step, bad_evals = 0, float('inf'), 0, 0
+arch = ('n_layer', 'n_embd', 'n_head', 'n_kv_head', 'intermediate_size', 'act', 'bitnet')
 if init_from == 'scratch':
     # the vocabulary padded to a multiple of 64 (faster matmuls, spare rows such as diffusion's mask
     # token); documents start with EOS, so it is also the BOS
     model = Transformer(ModelConfig(
-        vocab_size=64 * math.ceil(enc.n_vocab / 64), n_layer=n_layer, n_embd=n_embd, n_head=n_head,
-        n_kv_head=n_kv_head, intermediate_size=intermediate_size, rope_theta=rope_theta, act=act,
-        max_seq_len=block_size, tie_embeddings=tie_embeddings, bitnet=bitnet,
-        bos_token_id=eos_id(enc), eos_token_id=eos_id(enc)))
+        vocab_size=64 * math.ceil(enc.n_vocab / 64), max_seq_len=block_size, rope_theta=rope_theta,
+        tie_embeddings=tie_embeddings, bos_token_id=eos_id(enc), eos_token_id=eos_id(enc),
+        **{k: config[k] for k in arch}))
 else:
-    model = load(start)
-    if state:
-        fixed = ('n_layer', 'n_embd', 'n_head', 'n_kv_head', 'intermediate_size', 'act', 'bitnet',
-                 'lrc_rank', 'tokenizer', 'optimizer', 'zero1')  # what a resumed run cannot change
-        was = state['config']
+    model = load(base)
+    if state:  # what a resumed run cannot change (settings newer than the checkpoint: as now)
+        fixed = arch + ('lrc_rank', 'lora_rank', 'lora_targets', 'tokenizer', 'optimizer', 'zero1')
+        was = config | state['config']
         changed = [f"{k}={was[k]!r} (now {config[k]!r})" for k in fixed if was[k] != config[k]]
         if changed:
             sys.exit(f"error: {start} was trained with {', '.join(changed)}; "
@@ -301,25 +311,31 @@ else:
         sys.exit(f"error: tokenizer {tokenizer_name!r} has {enc.n_vocab} tokens but the model only "
                  f"{model.config.vocab_size}; use the model's tokenizer")
     if model.config.max_seq_len < block_size:
-        sys.exit(f"error: block_size={block_size} exceeds the model's max_seq_len={model.config.max_seq_len}")
+        sys.exit(f"error: block_size={block_size} exceeds max_seq_len={model.config.max_seq_len}")
 model.to(device)
-if bitnet and not model.config.bitnet:  # a pretrained fp model: SubLN calibrated on first batches
-    calib = train_loader() if loader else None  # a loader of its own: the run's stays where it is
-    xs = [calib.next_batch()['x'].to(device) if calib else batch(0, i)['x'] for i in range(subln_calib)]
+if bitnet and not model.config.bitnet and not lora_rank:  # an fp model: SubLN calibrated on batches
+    cal = train_loader() if loader else None  # a loader of its own: the run's stays where it is
+    xs = [cal.next_batch()['x'].to(device) if cal else batch(0, i)['x'] for i in range(subln_calib)]
     model.to_bitnet(xs)
 if lrc_rank and not model.config.lrc_rank:
     model.add_lrc(lrc_rank)  # from the (converted) weights: the SVD of their quantization residual
+if lora_rank:  # QLoRA-style: the base frozen (ternary: packed 2-bit), fp adapters (bitlinear.py)
+    model = model.freeze() if model.config.bitnet and not model.config.packed else model
+    add_lora(model.requires_grad_(False).layers, lora_rank, lora_alpha, targets)
+    model.to(device)
 model.grad_ckpt = grad_ckpt
 raw_model = model
 if master:
     kind = 'ternary' if raw_model.config.bitnet else 'fp'
-    print(f"{kind} model: {raw_model.num_params() / 1e6:.2f}M parameters, init_from={init_from}")
+    trains = sum(p.numel() for p in raw_model.parameters() if p.requires_grad)  # LoRA: the adapters
+    print(f"{kind} model: {raw_model.num_params() / 1e6:.2f}M parameters, {trains:,} trained")
 
 # objectives and the teacher they distil from
 if teacher.startswith(('http://', 'https://')):
     teacher_net = RemoteTeacher(teacher, teacher_model, top_k=teacher_top_k)
 else:
-    teacher_net = LocalTeacher(load(teacher), device, ptdtype) if teacher else None
+    teacher_net = LocalTeacher(load(teacher), device, ptdtype) if teacher else \
+        BaseTeacher(raw_model, set_adapters) if lora_rank else None
     vocab = teacher_net and teacher_net.model.config.vocab_size
     if vocab and vocab != raw_model.config.vocab_size:
         sys.exit(f"error: teacher vocab {vocab} != student vocab {raw_model.config.vocab_size}; "
@@ -354,7 +370,7 @@ elif auto_batch:
         dist.all_reduce(fits, op=dist.ReduceOp.MIN)
     batch_size, gradient_accumulation_steps = fits.item(), max(1, tokens_wanted // fits.item())
     loader = loader and train_loader()  # it has read nothing yet (a resumed one is restored below)
-    print(f"auto_batch: batch_size={batch_size} x gradient_accumulation_steps={gradient_accumulation_steps}")
+    print(f"auto_batch: batch_size={batch_size} x {gradient_accumulation_steps} accumulation steps")
 
 # optimizers, the fp16 gradient scaler, ZClip, and everything a resumed run restores
 if optimizer not in ('adamw', 'muon') or schedule not in SCHEDULES:
@@ -369,13 +385,6 @@ def new_optimizers():
     return make_optimizers(groups, optimizer, learning_rate, (beta1, beta2), zero1 and ddp)
 
 
-def set_lr(optimizers, factor):
-    """Every group's LR: its base LR times factor. Returns them, for the log."""
-    for g in (g for opt in optimizers for g in opt.param_groups):
-        g['lr'] = g['base_lr'] * factor
-    return {f"lr_{g['name']}": g['lr'] for opt in optimizers for g in opt.param_groups}
-
-
 if fsdp:  # each block is all-gathered for its forward and backward, then freed (fp32 on CPU)
     for v in raw_model.state_dict().values():  # rank 0's weights everywhere, as DDP broadcasts them
         dist.broadcast(v, 0)
@@ -386,6 +395,9 @@ if fsdp:  # each block is all-gathered for its forward and backward, then freed 
 optimizers = new_optimizers()
 zclipper = ZClip(zclip_z, max_norm=grad_clip) if zclip else None
 if state is not None:
+    if lora_rank:  # the adapters, at their exact values
+        sd = load_file(f'{start}/adapter_model.safetensors')
+        raw_model.layers.load_state_dict({k.removeprefix(PEFT): sd[k] for k in sd}, strict=False)
     for opt, sd in zip(optimizers, state['optimizers']):
         if fsdp:  # a full state, saved by rank 0: each rank takes its shard
             set_optimizer_state_dict(raw_model, opt, sd, options=FULL)
@@ -442,7 +454,7 @@ def clip_gradients():
     for opt in optimizers:
         scaler.unscale_(opt)
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params])  # a DTensor under FSDP: all shards'
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])  # FSDP: a DTensor of all shards
     norm = norm.full_tensor() if fsdp else norm
     adaptive = zclipper is not None and zclipper.adaptive
     # a CPU-GPU sync. A non-finite step is skipped, and ZClip must never see it: a NaN in its
@@ -456,8 +468,8 @@ def clip_gradients():
 
 @torch.no_grad()
 def evaluate():
-    """The val loss per counted target over eval_iters batches, the same ones at every evaluation.
-    (No model.eval(): without dropout the model computes the same in either mode.)"""
+    """The val loss per counted target on the same eval_iters batches every time (no dropout here,
+    so no model.eval())."""
     sums = torch.zeros(2, device=device)  # summed loss, counted targets
     show = Progress('evaluate', eval_iters, ' batches', 1, delay=2 if master else math.inf)
     for i, b in enumerate(val_batches(eval_iters)):
@@ -466,7 +478,7 @@ def evaluate():
         show(i + 1, last=i + 1 == eval_iters)
     loss, counted = all_mean(sums).tolist()  # a CPU-GPU sync
     if not counted:
-        sys.exit("error: no val batch holds a counted target (SFT answers); raise eval_iters or block_size")
+        sys.exit("error: no val batch holds a counted target; raise eval_iters or block_size")
     return loss / counted
 
 
@@ -490,9 +502,8 @@ def remix():
 
 
 def save_checkpoint(step, data_state):
-    """The HF directory and training state, written under a temporary name, then renamed: atomic.
-    Every rank takes part: rank 0 gathers the RNG states and data positions of all ranks (and, under
-    ZeRO-1, the optimizer state's shards), then writes. A failed write stops every rank cleanly."""
+    """The weights and training state, written under a temporary name, then renamed: atomic.
+    Rank 0 gathers every rank's RNG state and data position (and ZeRO-1's shards), then writes."""
     cuda = torch.cuda.get_rng_state() if device_type == 'cuda' else None
     mine = {'cpu': torch.get_rng_state(), 'cuda': cuda, 'data': data_state}
     rngs = [mine] * world_size
@@ -503,7 +514,7 @@ def save_checkpoint(step, data_state):
     # FSDP: the full weights and optimizer state, gathered to rank 0's CPU one tensor at a time
     weights = get_model_state_dict(raw_model, options=FULL) if fsdp else None
     opts = [get_optimizer_state_dict(raw_model, o, options=FULL) for o in optimizers] if fsdp else \
-        [o.state_dict() for o in optimizers] if master else None  # ZeRO-1's: consolidated on rank 0 only
+        [o.state_dict() for o in optimizers] if master else None  # ZeRO-1's: consolidated on rank 0
     failed = [write_checkpoint(step, rngs, weights, opts) if master else None]
     if ddp:  # every rank learns whether rank 0's write failed, so that none waits in a collective
         dist.broadcast_object_list(failed, src=0)
@@ -513,10 +524,21 @@ def save_checkpoint(step, data_state):
         sys.exit(f"error: {failed[0]}" if master else 1)
 
 
+def save_weights(path, weights):
+    """The model as a Hugging Face directory; with LoRA, the adapters alone, as PEFT writes them."""
+    if not lora_rank:
+        return raw_model.save_pretrained(path, weights)
+    sd = {PEFT + k: v for k, v in raw_model.layers.state_dict().items() if '.lora_' in k}
+    os.makedirs(path)
+    save_file(sd, os.path.join(path, 'adapter_model.safetensors'), metadata={'format': 'pt'})
+    with open(os.path.join(path, 'adapter_config.json'), 'w') as f:
+        json.dump(dict(peft_type='LORA', task_type='CAUSAL_LM', r=lora_rank, lora_alpha=lora_alpha,
+                       target_modules=targets, base_model_name_or_path=os.path.abspath(base)), f)
+
+
 def write_checkpoint(step, rngs, weights, opts):
     """Rank 0's part of a save: None, or why it failed. The manifest (sizes and sha256 of the
-    files) is written last; a failed write leaves no temporary directory and every earlier
-    checkpoint as it was."""
+    files) is written last; a failed write leaves no temporary directory and earlier ones intact."""
     final, tmp = (os.path.join(out_dir, f'{pre}ckpt_{step:07d}') for pre in ('', '.tmp_'))
     prev = checkpoints(out_dir)[-1:]
     need = sum(os.path.getsize(e.path) for e in os.scandir(prev[0])) if prev else 0
@@ -525,17 +547,16 @@ def write_checkpoint(step, rngs, weights, opts):
               f"the last checkpoint took {need / 2**20:.1f} MiB", file=sys.stderr)
     try:
         shutil.rmtree(tmp, ignore_errors=True)
-        raw_model.save_pretrained(tmp, weights)
+        save_weights(tmp, weights)
         if tokenizer_file:  # the tokenizer (and its chat template, if any) goes with the weights
             shutil.copy(tokenizer_file, os.path.join(tmp, 'tokenizer.json'))
             for extra in ('tokenizer_config.json', 'chat_template.jinja'):
                 if os.path.exists(found := os.path.join(os.path.dirname(tokenizer_file), extra)):
                     shutil.copy(found, tmp)
         torch.save(dict(
-            step=step, best_val=best_val, best_step=best_step, bad_evals=bad_evals,
-            optimizers=opts, scaler=scaler.state_dict(),
-            rng=rngs, zclip=vars(zclipper) if zclipper else None, config=config,
-            tokenizer=tokenizer_name, commit=commit), os.path.join(tmp, 'train_state.pt'))
+            step=step, best_val=best_val, best_step=best_step, bad_evals=bad_evals, base=base,
+            optimizers=opts, scaler=scaler.state_dict(), rng=rngs, config=config, commit=commit,
+            zclip=vars(zclipper) if zclipper else None, tokenizer=tokenizer_name), f'{tmp}/train_state.pt')
         manifest = {name: fingerprint(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
         with open(os.path.join(tmp, 'manifest.json'), 'w') as f:
             json.dump(manifest, f, indent=1)
@@ -543,9 +564,9 @@ def write_checkpoint(step, rngs, weights, opts):
         os.replace(tmp, final)
     except (OSError, RuntimeError, SafetensorError) as e:
         # torch.save reports a full disk as "unexpected pos"; the free space tells what happened
-        full = isinstance(e, OSError) and e.errno == errno.ENOSPC or shutil.disk_usage(out_dir).free < 2**20
+        full = getattr(e, 'errno', None) == errno.ENOSPC or shutil.disk_usage(out_dir).free < 2**20
         shutil.rmtree(tmp, ignore_errors=True)
-        cause = 'no space left on device' if full else f"{type(e).__name__}: {str(e).splitlines()[0]}"
+        cause = 'no space left on device' if full else f"{type(e).__name__}: {e}".splitlines()[0]
         kept = f"the last complete one, {prev[0]}, is intact" if prev else "no earlier one exists"
         return (f"cannot write checkpoint {final} ({cause}); {kept}. Free space in {out_dir} "
                 f"(or set --out_dir), then continue with --init_from=resume")
@@ -559,14 +580,10 @@ def write_checkpoint(step, rngs, weights, opts):
 if lr_find and state is None:  # on throwaway optimizers; the model is put back afterwards
     probe, saved = new_optimizers(), {k: v.clone() for k, v in raw_model.state_dict().items()}
 
-    def lr_probe(i, lr):
-        """One optimizer step at LR lr on step i's batches; its loss."""
+    def lr_probe(i, lr):  # one optimizer step at LR lr on step i's batches; its loss
         set_lr(probe, lr / learning_rate)
         loss, _ = micro_steps(0, batch(i, 0))
-        for opt in probe:
-            scaler.step(opt)
-            opt.zero_grad(set_to_none=True)
-        scaler.update()
+        optimizer_step(probe, scaler)
         return all_mean(loss).item()
     show = Progress('lr_find', 100, ' steps', 1, delay=2 if master else math.inf)
     tried, losses, found = lr_range_test(lambda i, lr: show(i + 1) or lr_probe(i, lr))
@@ -617,11 +634,7 @@ while step < max_steps:
     if nan_run >= nan_patience:
         sys.exit(f"error: {nan_run} non-finite steps in a row at step {step}; "
                  "lower the learning rate or check the data")
-    for opt in optimizers if not skipped else []:
-        scaler.step(opt)
-    scaler.update()
-    for opt in optimizers:
-        opt.zero_grad(set_to_none=True)
+    optimizer_step(optimizers, scaler, skipped)
     step += 1
     tokens_seen += tokens_per_step
     mix = remix() if remix_interval and step % remix_interval == 0 else {}  # before the next batch
@@ -640,9 +653,7 @@ while step < max_steps:
             best_val, best_step, bad_evals = rec['val_loss'], step, 0
         else:
             bad_evals += 1
-        stop = bool(patience) and bad_evals >= patience
-        if not improved:
-            rec['early_stop'] = stop
+            stop = rec['early_stop'] = bool(patience) and bad_evals >= patience
 
     # log: one JSON line per logged step, and a line on the console
     if step % log_interval == 0 or rec or skipped or zclipped or mix:
@@ -654,7 +665,7 @@ while step < max_steps:
         # the length of a run of non-finite steps, and the norm ZClip clipped a spike to
         rec.update({k: v for k, v in (('skipped', nan_run), ('zclip', zclipped)) if v})
         if device_type == 'cuda':
-            rec['mfu'] = raw_model.flops_per_token(block_size) * tok_per_s / (world_size * peak_flops)
+            rec['mfu'] = raw_model.flops_per_token(block_size) * tok_per_s / world_size / peak_flops
             rec['peak_mem_gib'] = torch.cuda.max_memory_allocated() / 2**30
         if master:
             log.write(json.dumps(rec) + '\n')
