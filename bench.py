@@ -86,7 +86,7 @@ def copies(nbytes):
 
 def weight_mib(model):  # parameters, packed weights and their scales, fuse()'s int8 head
     bufs = [b for n, b in model.named_buffers() if n.endswith(('weight', 'scale'))]
-    return sum(t.nbytes for t in [*model.parameters(), *bufs, *(model.head8 or ())]) / 2**20
+    return sum(t.nbytes for t in [*model.parameters(), *bufs, *(model.head8.keywords.values() if model.head8 else ())]) / 2**20
 
 
 @torch.no_grad()

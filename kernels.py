@@ -27,6 +27,8 @@ still compiles with torch.compile:
   cpp        a C++ CPU kernel (AVX-512 VNNI or AVX2, chosen at run time, all cores)
   cuda       a CUDA GEMV for decode (dp4a) and int8 tensor cores (torch._int_mm) for prefill
 `ternary_linear` picks the fastest one that builds and says once when it has to fall back.
+The same op takes a gamma per weight row (matrices fused into one, model.Transformer.fuse) and
+int8 rows times int16 activations (an LM head in 4x fewer bytes than fp32, pack_int8).
 """
 import functools
 import os
@@ -89,16 +91,18 @@ def unpack(packed, K):
 def pack_int8(w):
     """An fp matrix (N, K) -> int8 rows (N, Kp), Kp = K rounded up to 256, and a scale per row (N,),
     absmax per row. For a matrix that is not ternary, an LM head: 4x fewer bytes than fp32. The ops
-    below take such weights too, as weight-only int8: y = x @ (W_q * scale)^T, x kept in fp32."""
+    below take such weights too, with activations quantized per token to int16 rather than int8."""
     scale = w.float().abs().amax(dim=1).clamp(min=1e-8) / 127
     w_q = (w.float() / scale[:, None]).round().to(torch.int8)
     return F.pad(w_q, (0, -w.shape[1] % BLOCK)), scale
 
 
-def quantize(x):
-    """absmax per token, as in bitlinear.activation_quant: int8 x_q (M, K) and the scale s (M, 1)."""
-    s = 127 / x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
-    return (x.float() * s).round().clamp(-128, 127).to(torch.int8), s
+def quantize(x, levels=127):
+    """absmax per token, as in bitlinear.activation_quant: int8 x_q (M, K) and the scale s (M, 1);
+    int16 with levels=32767."""
+    s = levels / x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
+    x_q = (x.float() * s).round().clamp(-levels - 1, levels)
+    return x_q.to(torch.int8 if levels < 128 else torch.int16), s
 
 
 # ---------------------------------------------------------------- 1. reference, 2. torch.compile
@@ -107,8 +111,9 @@ def quantize(x):
 # multiply: float(acc) * (gamma / s), with acc exact in fp32 (below 2^24).
 
 def _linear(mm, x, w, gamma):
-    if w.dtype == torch.int8:  # int8 weights (an LM head) take fp32 activations
-        return (x.float() @ w[:, :x.shape[1]].float().T) * gamma.float()
+    if w.dtype == torch.int8:  # int8 rows (an LM head) take int16 activations; sums exact in fp64
+        x_q, s = quantize(x, 32767)
+        return (x_q.double() @ w[:, :x.shape[1]].double().T).float() * (gamma.float() / s)
     x_q, s = quantize(x)
     return mm(x_q, w).float() * (gamma.float() / s)
 
@@ -149,10 +154,11 @@ CPP = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <numeric>
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
 #define AVX2 __attribute__((target("avx2")))
 
-template <int MR, int NR>  // one 256-column block: x is MR rows of Kp int8, w is NR rows of Kp/4 bytes
+template <int MR, int NR>  // one 256-column block: x is MR rows of Kp int8, w NR rows of Kp/4 bytes
 VNNI inline void block_vnni(const int8_t* x, const uint8_t* w, int64_t Kp, int64_t k, __m512i (&a)[MR][NR]) {
   __m512i v[NR];
   for (int n = 0; n < NR; n++) v[n] = _mm512_loadu_si512(w + n * Kp / 4 + k / 4);
@@ -242,7 +248,7 @@ AVX2 float quantize(const float* x, int64_t K, int8_t* q, int32_t* sum) {
       i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k + 8 * j), vs));
       total = _mm256_add_epi32(total, i[j]);
     }
-    // packs work within 128-bit lanes, so the 32 bytes come out in the order of 4-byte groups 0 2 4 6 1 3 5 7
+    // packs work within 128-bit lanes: the 32 bytes come out as 4-byte groups 0 2 4 6 1 3 5 7
     __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
     _mm256_storeu_si256((__m256i*)(q + k), _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
   }
@@ -262,7 +268,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma, int6
   std::vector<int32_t> S(M);  // sum q x = sum c x - sum x
   std::vector<float> s(M);
   for (int64_t m = 0; m < M; m++) s[m] = quantize(xf.data_ptr<float>() + m * K, K, xq.data_ptr<int8_t>() + m * Kp, &S[m]);
-  auto g = gamma.to(torch::kFloat).contiguous();  // one gamma, or one per weight row (fused matrices)
+  auto g = gamma.to(torch::kFloat).contiguous();  // one gamma, or one per row (fused matrices)
   const float* G = g.data_ptr<float>();
   const int64_t gs = g.numel() > 1;
   auto y = torch::empty({M, N}, xf.options());
@@ -286,40 +292,56 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma, int6
   return y;
 }
 
-// Weights only, for an LM head (kernels.pack_int8): the activations stay fp32 (quantizing the final
-// hidden state per token to int8 cost SmolLM2 0.011 nats of held-out loss), and each int8 row is
-// widened to fp32 in registers, 64 weights per step on 4 accumulators (AVX-512; plain C++ otherwise)
-__attribute__((target("avx512f"))) float dot_w8_avx512(const float* x, const int8_t* w, int64_t K) {
-  __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-  int64_t k = 0;
-  for (; k + 64 <= K; k += 64)
-    for (int u = 0; u < 4; u++) {
-      __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + k + 16 * u))));
-      a[u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + k + 16 * u), a[u]);
-    }
-  float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
-  for (; k < K; k++) s += x[k] * w[k];
+// The LM head (kernels.pack_int8): int8 rows times activations quantized per token to int16 (int8
+// cost SmolLM2 0.011 nats of held-out loss), exact integer sums as in the ternary path. 32 weights
+// are widened to int16 and multiplied in pairs into int32 per instruction (AVX-512BW; plain C++
+// otherwise). A lane gains at most 2 * 32767 * 127 per 64 columns, so a chunk of 4096 columns fits
+// in int32; chunks are summed in int64.
+float quantize16(const float* x, int64_t K, int16_t* q) {
+  float amax = 0;
+  for (int64_t k = 0; k < K; k++) amax = std::max(amax, std::fabs(x[k]));
+  const float s = (1.0f / std::max(amax, 1e-5f)) * 32767.0f;  // as kernels.quantize(x, 32767)
+  for (int64_t k = 0; k < K; k++) q[k] = (int16_t)std::nearbyint(x[k] * s);
   return s;
 }
 
-float dot_w8(const float* x, const int8_t* w, int64_t K) {
-  float s = 0;
-  for (int64_t k = 0; k < K; k++) s += x[k] * w[k];
-  return s;
+VNNI int64_t dot16_avx512(const int16_t* x, const int8_t* w, int64_t Kp) {
+  __m512i total = _mm512_setzero_si512();  // 8 int64 lanes
+  for (int64_t c = 0; c < Kp; c += 4096) {
+    __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+    for (int64_t k = c; k < std::min(Kp, c + 4096); k += 64) {
+      __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + k)));
+      __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + k + 32)));
+      a = _mm512_add_epi32(a, _mm512_madd_epi16(w0, _mm512_loadu_si512(x + k)));
+      b = _mm512_add_epi32(b, _mm512_madd_epi16(w1, _mm512_loadu_si512(x + k + 32)));
+    }
+    a = _mm512_add_epi32(a, b);
+    total = _mm512_add_epi64(total, _mm512_cvtepi32_epi64(_mm512_castsi512_si256(a)));
+    total = _mm512_add_epi64(total, _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(a, 1)));
+  }
+  return _mm512_reduce_add_epi64(total);
+}
+
+int64_t dot16(const int16_t* x, const int8_t* w, int64_t Kp) {
+  return std::inner_product(x, x + Kp, w, int64_t(0));
 }
 
 torch::Tensor linear_w8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, int64_t isa) {
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), ld = w.size(1);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), Kp = w.size(1);
   auto xf = x.to(torch::kFloat).contiguous();
+  auto xq = torch::zeros({M, Kp}, x.options().dtype(torch::kShort));  // zero-padded, as the rows
+  std::vector<float> s(M);
+  for (int64_t m = 0; m < M; m++) s[m] = quantize16(xf.data_ptr<float>() + m * K, K, xq.data_ptr<int16_t>() + m * Kp);
   auto sc = scale.to(torch::kFloat).contiguous();
   auto y = torch::empty({M, N}, xf.options());
-  const float *X = xf.data_ptr<float>(), *G = sc.data_ptr<float>();
+  const int16_t* X = xq.data_ptr<int16_t>();
   const int8_t* W = w.data_ptr<int8_t>();
+  const float* G = sc.data_ptr<float>();
   float* Y = y.data_ptr<float>();
-  auto dot = isa == 2 ? dot_w8_avx512 : dot_w8;
-  at::parallel_for(0, N, std::max<int64_t>(1, 32768 / ld), [&](int64_t n0, int64_t n1) {
+  auto dot = isa == 2 ? dot16_avx512 : dot16;
+  at::parallel_for(0, N, std::max<int64_t>(1, 32768 / Kp), [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++)
-      for (int64_t m = 0; m < M; m++) Y[m * N + n] = dot(X + m * K, W + n * ld, K) * G[n];
+      for (int m = 0; m < M; m++) Y[m * N + n] = float(dot(X + m * Kp, W + n * Kp, Kp)) * (G[n] / s[m]);
   });
   return y;
 }
@@ -329,8 +351,8 @@ torch::Tensor linear_w8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, i
 @functools.cache
 def _cpp():
     from torch.utils.cpp_extension import load_inline  # torch caches the build across runs
-    return load_inline('nanobitnet_cpu', CPP, functions=['linear', 'linear_w8', 'simd'], extra_cflags=['-O3', '-fopenmp'],
-                       extra_ldflags=['-fopenmp'])
+    return load_inline('nanobitnet_cpu', CPP, functions=['linear', 'linear_w8', 'simd'],
+                       extra_cflags=['-O3', '-fopenmp'], extra_ldflags=['-fopenmp'])
 
 
 def linear_cpp(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
@@ -339,22 +361,20 @@ def linear_cpp(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.T
 
 
 # ---------------------------------------------------------------- 4. CUDA kernel
-# Decode (up to 16 tokens) is a GEMV, and at batch 1 a GEMV of 4 MB of packed weights takes
-# a few microseconds: launching a dozen small torch ops around it (absmax, scale, round,
-# cast, pad, rescale) would cost ten times more than the matmul. So the whole op is two
+# Decode (up to 16 tokens) is a GEMV of a few microseconds: a dozen small torch ops around it
+# (absmax, scale, round, cast, pad, rescale) would cost ten times more. So the whole op is two
 # kernels. quantize_rows: one block per token finds absmax, then writes the int8 row, padded
 # with zeros to the packed K. ternary_gemv: one warp per weight row, each lane loading 16
 # bytes (64 weights) at a time so that a warp reads 512 contiguous bytes per step, unpacking
 # them in registers and multiplying four at a time with dp4a; it writes acc * (gamma / s)
 # with the same fp32 operations as _linear, so the result is bit-identical. This part needs
-# no torch headers, so it compiles with plain nvcc on a machine without a GPU, and it runs on
-# the CPU too, under a header that emulates CUDA's threads, barriers and shuffles
-# (tests/test_cuda_emulated.py), bit for bit against linear_reference.
+# no torch headers, so it compiles with plain nvcc without a GPU, and runs on the CPU too under
+# a header that emulates CUDA's threads, barriers and shuffles (tests/test_cuda_emulated.py).
 GEMV_CU = r"""
 #include <cstdint>
 
-__global__ void quantize_rows(const float* __restrict__ x, int8_t* __restrict__ xq, float* __restrict__ s,
-                              int K, int Kp) {
+__global__ void quantize_rows(const float* __restrict__ x, int8_t* __restrict__ xq,
+                              float* __restrict__ s, int K, int Kp) {
   __shared__ float part[32];
   const float* xr = x + (size_t)blockIdx.x * K;
   float a = 0.f;
@@ -363,14 +383,15 @@ __global__ void quantize_rows(const float* __restrict__ x, int8_t* __restrict__ 
   if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = a;
   __syncthreads();
   for (int i = 0; i < blockDim.x / 32; i++) a = fmaxf(a, part[i]);
-  const float sc = (1.f / fmaxf(a, 1e-5f)) * 127.f;  // as torch computes 127 / t: a reciprocal, then a multiply
+  const float sc = (1.f / fmaxf(a, 1e-5f)) * 127.f;  // as torch computes 127 / t
   if (threadIdx.x == 0) s[blockIdx.x] = sc;
   for (int k = threadIdx.x; k < Kp; k += blockDim.x)  // round half to even, as torch.round
     xq[(size_t)blockIdx.x * Kp + k] = k < K ? (int8_t)fminf(fmaxf(rintf(xr[k] * sc), -128.f), 127.f) : 0;
 }
 
-__global__ void ternary_gemv(const int8_t* __restrict__ x, const uint8_t* __restrict__ w, const float* __restrict__ s,
-                             const float* __restrict__ gamma, float* __restrict__ y, int M, int N, int Kp, int gs) {
+__global__ void ternary_gemv(const int8_t* __restrict__ x, const uint8_t* __restrict__ w,
+                             const float* __restrict__ s, const float* __restrict__ gamma,
+                             float* __restrict__ y, int M, int N, int Kp, int gs) {
   const int n = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   const int m0 = blockIdx.y * 4;  // up to 4 tokens per warp share each unpacked weight
   if (n >= N) return;
@@ -410,8 +431,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma) {
   auto stream = at::cuda::getCurrentCUDAStream();
   quantize_rows<<<M, 256, 0, stream>>>(x.data_ptr<float>(), xq.data_ptr<int8_t>(), s.data_ptr<float>(), K, Kp);
   const dim3 grid((N + 3) / 4, (M + 3) / 4);  // 4 warps (weight rows) per block of 128 threads
-  ternary_gemv<<<grid, 128, 0, stream>>>(xq.data_ptr<int8_t>(), w.data_ptr<uint8_t>(), s.data_ptr<float>(),
-                                         gamma.data_ptr<float>(), y.data_ptr<float>(), M, N, Kp, gamma.numel() > 1);
+  ternary_gemv<<<grid, 128, 0, stream>>>(xq.data_ptr<int8_t>(), w.data_ptr<uint8_t>(),
+                                         s.data_ptr<float>(), gamma.data_ptr<float>(),
+                                         y.data_ptr<float>(), M, N, Kp, gamma.numel() > 1);
   return y;
 }
 """
@@ -420,8 +442,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma) {
 @functools.cache
 def _cuda():
     from torch.utils.cpp_extension import load_inline
-    return load_inline('nanobitnet_cuda', 'torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma);',
-                       cuda_sources=GEMV_CU + LAUNCH_CU, functions=['linear'], extra_cuda_cflags=['-O3'])
+    decl = 'torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma);'
+    return load_inline('nanobitnet_cuda', decl, cuda_sources=GEMV_CU + LAUNCH_CU, functions=['linear'],
+                       extra_cuda_cflags=['-O3'])
 
 
 def _int_mm(x_q, w):
@@ -436,7 +459,7 @@ def linear_cuda(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.
     return _cuda().linear(x, w.contiguous(), gamma)
 
 
-IMPLS = {'reference': linear_reference, 'compile': linear_compile, 'cpp': linear_cpp, 'cuda': linear_cuda}
+IMPLS = dict(reference=linear_reference, compile=linear_compile, cpp=linear_cpp, cuda=linear_cuda)
 # each one also as a custom op with a fake (shape-only) implementation, which torch.compile traces;
 # eager calls skip the op's Python dispatch, which costs as much as a small decode GEMV (~10 us)
 OPS = {name: torch.library.custom_op(f'nanobitnet::linear_{name}', fn, mutates_args=(),
@@ -478,12 +501,13 @@ def _choose(device_type):
 
 
 def ternary_linear(x, w, gamma, impl=None):
-    """y = (x_q @ W_q^T) * gamma / s: x (..., K) float, w packed (N, Kp/4) (or int8 (N, Kp), pack_int8),
-    gamma (1,) or (N,) -> (..., N) in x's dtype, by `impl` (one of IMPLS) or the fastest available."""
+    """y = (x_q @ W_q^T) * gamma / s: x (..., K) float, w packed (N, Kp/4) (or int8 rows (N, Kp),
+    pack_int8), gamma (1,) or (N,) -> (..., N) in x's dtype, by `impl` (one of IMPLS) or the
+    fastest available."""
     K, Kp = x.shape[-1], w.shape[1] * (1 if w.dtype == torch.int8 else 4)
     if not 0 <= Kp - K < BLOCK:
-        raise ValueError(f"activations have K={K} but the weights were packed for K={Kp - BLOCK + 1}..{Kp}; "
-                         f"pack W_q of shape (N, {K}) with kernels.pack")
+        raise ValueError(f"activations have K={K} but the weights were packed for K={Kp - BLOCK + 1}.."
+                         f"{Kp}; pack W_q of shape (N, {K}) with kernels.pack")
     fn = (OPS if torch.compiler.is_compiling() else IMPLS)[impl or best(x.device.type)]
     y = fn(x.reshape(-1, K), w, gamma)  # (M, N) fp32
     return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
@@ -497,8 +521,8 @@ def ternary_linear(x, w, gamma, impl=None):
 # not a multiple of 32, where +-gamma in fp16 is exact as well.
 
 def _with_d(blocks, gamma, d_first=False):
-    """(N, nb, bytes) uint8 blocks -> (N, nb * (bytes + 2)) with gamma as fp16 appended (or prepended)."""
-    d = gamma.to(torch.float16).reshape(1, 1, 1).expand(*blocks.shape[:2], 1).contiguous().view(torch.uint8)
+    """(N, nb, bytes) uint8 blocks -> (N, nb * (bytes + 2)), gamma as fp16 appended (or prepended)."""
+    d = gamma.half().reshape(1, 1, 1).expand(*blocks.shape[:2], 1).contiguous().view(torch.uint8)
     return torch.cat([d, blocks] if d_first else [blocks, d], -1).flatten(1)
 
 

@@ -38,7 +38,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from bitlinear import SubLN, add_lrc, calibrate_subln, convert_to_bitnet, freeze, unpack_hf
-from bitlinear import weight_quant
+from bitlinear import PackedBitLinear, weight_quant
 from kernels import pack_f16, pack_int8, pack_q8_0, pack_tq1_0, pack_tq2_0, ternary_linear
 
 
@@ -220,12 +220,12 @@ class Transformer(nn.Module):
         copy."""
         groups = [(b.self_attn, ('q_proj', 'k_proj', 'v_proj')) for b in self.layers]
         for mod, names in groups + [(b.mlp, ('gate_proj', 'up_proj')) for b in self.layers]:
-            parts = [getattr(mod, n) for n in names]
-            if self.config.packed and all(p.bias is None and p.lrc_u is None for p in parts):
-                w, rows = torch.cat([p.weight for p in parts]), [p.out_features for p in parts]
-                g = torch.cat([p.weight_scale.expand(n) for p, n in zip(parts, rows)])
+            ps = [getattr(mod, n) for n in names]
+            if all(type(p) is PackedBitLinear and p.bias is None and p.lrc_u is None for p in ps):
+                w, rows = torch.cat([p.weight for p in ps]), [p.out_features for p in ps]
+                g = torch.cat([p.weight_scale.expand(n) for p, n in zip(ps, rows)])
                 mod.fused = lambda x, w=w, g=g, rows=rows: ternary_linear(x, w, g).split(rows, -1)
-                for p, view in zip(parts, w.split(rows)):
+                for p, view in zip(ps, w.split(rows)):
                     p.weight = view
         w8, scale = pack_int8(self.lm_head.weight)
         self.head8 = functools.partial(ternary_linear, w=w8, gamma=scale)
@@ -458,8 +458,8 @@ def config_from_hf(hf):
         raise ValueError(f"model_type {kind!r} is not supported; use a llama or bitnet checkpoint")
     kind = 'bitnet' if kind == 'bitnet_lrc' else kind
     rope = hf.get('rope_parameters') or hf.get('rope_scaling') or {}
-    if rope.get('rope_type', rope.get('type', 'default')) != 'default':
-        raise ValueError(f"rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported")
+    if (scaling := rope.get('rope_type', rope.get('type', 'default'))) != 'default':
+        raise ValueError(f"rope scaling {scaling!r} is not supported")
     if hf.get('mlp_bias'):
         raise ValueError("mlp_bias=true is not supported; Llama-family MLPs here have no bias")
     quant = hf.get('quantization_config') or {}

@@ -124,6 +124,7 @@ def test_fuse_changes_only_the_head_and_saves_the_same_checkpoint(tmp_path):
     """Transformer.fuse: fused q/k/v and gate/up give every block's output bit for bit (each row keeps
     its matrix's gamma); the head becomes int8 rows, checked against its definition computed here;
     state_dict (and so save_pretrained) is what it was; generation with the cache matches."""
+    from kernels import quantize
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=300, n_layer=2, n_embd=64, n_head=4, n_kv_head=2, intermediate_size=96, bitnet=True)
     model = Transformer(cfg).eval().freeze()
@@ -140,8 +141,9 @@ def test_fuse_changes_only_the_head_and_saves_the_same_checkpoint(tmp_path):
     h = model.norm(got['hidden'][-1]).reshape(-1, 64)
     W = model.lm_head.weight
     scale = W.abs().amax(1) / 127
-    int8_head = h.double() @ ((W / scale[:, None]).round() * scale[:, None]).double().T  # weight-only int8
-    assert torch.allclose(logits.reshape(-1, 300).double(), int8_head, rtol=1e-5, atol=1e-6)
+    x_q, s = quantize(h, 32767)  # int16 per token times int8 per row, exact int64 sums, scaled once
+    int8_head = (x_q.long() @ (W / scale[:, None]).round().long().T).float() * (scale / s)
+    assert torch.equal(logits.reshape(-1, 300), int8_head)
     assert (logits - want_logits).abs().max() < 0.01 * want_logits.abs().max()
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
