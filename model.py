@@ -160,7 +160,10 @@ class Transformer(nn.Module):
         self.grad_ckpt = False  # activation checkpointing, set by the trainer
         self.head8 = None  # the int8 head of fuse()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        # packed (inference, LoRA): frozen block by block, its fp32 weights never all there at once
+        pack = cfg.packed and not cfg.lrc_rank  # (low-rank corrections are made on the whole model)
+        block = lambda: freeze(convert_to_bitnet(Block(cfg), cfg.norm_eps)) if pack else Block(cfg)
+        self.layers = nn.ModuleList(block() for _ in range(cfg.n_layer))
         self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -211,13 +214,11 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def fuse(self):
-        """Faster decode, for inference only, after freeze(). q/k/v (and gate/up) read one input,
-        so each group becomes one packed matrix: one activation quantization and one call instead
-        of three, every row keeping its matrix's gamma, so the outputs are the same numbers. The fp
-        head, most of the bytes a token reads in a small model, gets int8 rows with a scale per row
-        (4x fewer bytes, kernels.pack_int8; its effect on held-out loss is in the README).
-        Checkpoints are unchanged: the fused matrices are views of the same bytes, the int8 head a
-        copy."""
+        """Faster decode, after freeze(). q/k/v (and gate/up) read one input, so each group becomes
+        one packed matrix: one activation quantization and one call, every row keeping its gamma
+        (the same numbers). The fp head, most of the bytes a small model reads per token, gets int8
+        rows (kernels.pack_int8, 4x fewer bytes; held-out cost in the README). Checkpoints do not
+        change: fused matrices are views of the same bytes, the int8 head a copy."""
         groups = [(b.self_attn, ('q_proj', 'k_proj', 'v_proj')) for b in self.layers]
         for mod, names in groups + [(b.mlp, ('gate_proj', 'up_proj')) for b in self.layers]:
             ps = [getattr(mod, n) for n in names]
@@ -262,9 +263,8 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, eos_id=None, vocab=None):
-        """Sample continuations of idx (B, T) with a KV cache: the prompt is run once, then
-        each new token costs one single-position forward pass. `vocab` excludes the padding
-        rows of an embedding larger than the tokenizer."""
+        """Sample continuations of idx (B, T) with a KV cache: the prompt once, then one position
+        per new token. `vocab` leaves out an embedding's padding rows beyond the tokenizer's."""
         cfg, (B, T) = self.config, idx.shape
         p = next(self.parameters())
         shape = (2, B, cfg.n_kv_head, T + max_new_tokens, cfg.head_dim)  # K and V
