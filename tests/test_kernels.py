@@ -131,7 +131,8 @@ def test_per_row_gamma_and_int8_head(cpp, isa):
     if isa > cpp.simd():
         pytest.skip("this CPU lacks AVX-512 VNNI")
     for M, N, K in SHAPES:
-        x, gamma, w3 = torch.randn(M, K), torch.rand(N) + 0.01, kernels.pack(ternary(N, K))
+        g = torch.Generator().manual_seed(M * N * K)
+        x, gamma, w3 = torch.randn(M, K, generator=g), torch.rand(N, generator=g) + 0.01, kernels.pack(ternary(N, K))
         rows = [kernels.ternary_linear(x, w3[n:n + 1], gamma[n:n + 1], impl='reference') for n in range(N)]
         assert torch.equal(kernels.ternary_linear(x, w3, gamma, impl='reference'), torch.cat(rows, 1))
         assert torch.equal(cpp.linear(x, w3, gamma, isa), torch.cat(rows, 1))
@@ -144,8 +145,11 @@ def test_per_row_gamma_and_int8_head(cpp, isa):
         want = (x_q.long() @ w8[:, :K].long().T).float() * (scale / s)
         assert torch.equal(cpp.linear_w8(x, w8, scale, isa), want)
         assert torch.equal(kernels.ternary_linear(x, w8, scale, impl='reference'), want)
-        fp = x.double() @ (w8[:, :K].double() * scale[:, None]).T  # int16 x: within 1e-4 of fp activations
-        assert (want - fp).abs().max() < 1e-4 * fp.abs().max(), (want - fp).abs().max() / fp.abs().max()
+        # against fp activations: each x moves by at most absmax / (2 * 32767) when quantized
+        W = w8[:, :K].double() * scale[:, None].double()
+        fp = x.double() @ W.T
+        bound = x.abs().amax(1, keepdim=True).double() / 65534 * W.abs().sum(1) + 1e-6 * fp.abs() + 1e-7
+        assert ((want - fp).abs() <= bound).all()
 
 
 def test_dispatch_uses_cpp_with_bf16_and_leading_dims(cpp):
