@@ -316,6 +316,10 @@ def test_ce_with_no_counted_target_is_zero_not_nan():
     by_hand = -(F.log_softmax(logits[0, 1], -1)[4] + F.log_softmax(logits[1, 2], -1)[0]) / 2
     torch.testing.assert_close(ce_loss(logits, y), by_hand)
     torch.testing.assert_close(ce_loss(logits, y, 'sum'), 2 * by_hand)
+    (3 * ce_loss(logits, y)).backward()  # the gradient it recomputes = F.cross_entropy's
+    ref = logits.detach().requires_grad_()
+    (3 * F.cross_entropy(ref.flatten(0, 1), y.flatten(), ignore_index=IGNORE)).backward()
+    torch.testing.assert_close(logits.grad, ref.grad)
 
 
 def test_preference_pairs_by_hand_empty_prompt_and_too_long_prompt(tmp_path):
