@@ -275,8 +275,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma, int6
   const int8_t* X = xq.data_ptr<int8_t>();
   const uint8_t* W = w.data_ptr<uint8_t>();
   float* Y = y.data_ptr<float>();
-  // threads split the weight rows, at least 32K weights each; decode reads them one row at a time
-  const int64_t R = M < 4 ? 1 : 4;
+  // threads split the weight rows, at least 32K weights each. Decode streams a long row alone (one
+  // sequential read), short ones (up to 1024 columns: 1.2x faster at SmolLM2's 576) four at a time
+  const int64_t R = M < 4 && Kp > 1024 ? 1 : 4;
   at::parallel_for(0, (N + R - 1) / R, std::max<int64_t>(1, 32768 / Kp / R), [&](int64_t t0, int64_t t1) {
     for (int64_t n = R * t0, nr; n < std::min(R * t1, N); n += nr) {
       nr = N - n >= R ? R : 1;
@@ -521,7 +522,7 @@ def ternary_linear(x, w, gamma, impl=None):
 # not a multiple of 32, where +-gamma in fp16 is exact as well.
 
 def _with_d(blocks, gamma, d_first=False):
-    """(N, nb, bytes) uint8 blocks -> (N, nb * (bytes + 2)), gamma as fp16 appended (or prepended)."""
+    """(N, nb, bytes) uint8 blocks -> (N, nb * (bytes + 2)): fp16 gamma after (or before) each."""
     d = gamma.half().reshape(1, 1, 1).expand(*blocks.shape[:2], 1).contiguous().view(torch.uint8)
     return torch.cat([d, blocks] if d_first else [blocks, d], -1).flatten(1)
 
