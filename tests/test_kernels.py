@@ -18,8 +18,9 @@ from model import ModelConfig, Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 has_cxx = shutil.which(os.environ.get('CXX', 'c++')) is not None
-# (M tokens, N outputs, K inputs): batch 1 and odd batches, K not a multiple of any vector width
-SHAPES = [(1, 8, 256), (1, 13, 100), (3, 7, 300), (5, 64, 1000), (17, 33, 64), (2, 9, 1100)]  # 1100: one row at a time
+# (M tokens, N outputs, K inputs): batch 1 and odd batches, K not a multiple of any vector width;
+# K = 1100: decode's one-row-at-a-time path for long rows
+SHAPES = [(1, 8, 256), (1, 13, 100), (3, 7, 300), (5, 64, 1000), (17, 33, 64), (2, 9, 1100)]
 
 
 def ternary(N, K, seed=0):
