@@ -16,9 +16,9 @@ tokenizer and, when the checkpoint has one, its chat template (data.gguf_vocab).
 A LoRA checkpoint (PEFT's adapter files, as train.py writes them with lora_rank > 0) is loaded
 onto the base model that its adapter_config.json names. On an fp base the adapters are merged
 into the weights (W += alpha / r * B A), and --merge=DIR writes that as a plain checkpoint. On a
-ternary base they stay beside the packed weights, since W_q + B A is no longer ternary; such a
-model cannot be exported to GGUF (llama.cpp takes LoRA adapters as a separate GGUF file, which
-this script does not write).
+ternary base they stay beside the packed weights, since W_q + B A is no longer ternary, and
+--export=M.gguf writes the base to M.gguf and the adapters to M-lora.gguf, the separate file
+llama.cpp applies them from (llama-cli -m M.gguf --lora M-lora.gguf).
 """
 import json
 import os
@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 from bitlinear import add_lora, merge_lora
 from configurator import configure
 from data import chat_prompt, chat_template, get_tokenizer, gguf_vocab, resolve_model
-from model import Transformer
+from model import GGUF_NAMES, Transformer, write_gguf
 
 ckpt = 'out'
 prompt = 'The '
@@ -52,7 +52,7 @@ config = configure({k: v for k, v in globals().items() if not k.startswith('_') 
                     isinstance(v, (int, float, str))}, sys.argv[1:])
 globals().update(config)
 
-if os.path.isdir(ckpt) and not os.path.exists(os.path.join(ckpt, 'config.json')):
+if os.path.isdir(ckpt) and not {'config.json', 'adapter_config.json'} & set(os.listdir(ckpt)):
     found = sorted(n for n in os.listdir(ckpt) if n.startswith('ckpt_'))
     if not found:
         sys.exit(f"error: no checkpoint in {ckpt!r}; train one with python train.py or pass --ckpt=DIR")
@@ -74,9 +74,9 @@ except (OSError, ValueError, RuntimeError, KeyError) as e:
 if packed and model.config.bitnet and not model.config.packed:
     model.freeze()
 merge_lora(model)  # an fp base's adapters are folded into its weights; a ternary base keeps them
-if lora and (merge or export) and model.config.bitnet:
-    sys.exit("error: LoRA adapters on a ternary base cannot be merged (W_q + B A is not ternary) or exported "
-             "to GGUF; sample from the checkpoint instead")
+if lora and merge and model.config.bitnet:
+    sys.exit("error: LoRA adapters on a ternary base cannot be merged (W_q + B A is not ternary); sample "
+             "from the checkpoint, or --export it to GGUF (the adapters go to a file of their own)")
 if merge and not lora:
     sys.exit(f"error: --merge takes a LoRA checkpoint (with adapter_config.json); {ckpt} is a whole model")
 if merge:
@@ -108,10 +108,21 @@ if export:
     try:
         vocab = gguf_vocab(enc, model.config.vocab_size)
         vocab.update({'tokenizer.chat_template': template} if isinstance(template, str) else {})
-        model.save_gguf(export, vocab, export_ternary, getattr(torch, export_dtype, None))
+        adapters = lora and model.config.bitnet  # else merged into an fp base above
+        base = Transformer.from_pretrained(lora['base_model_name_or_path']) if adapters else model
+        base.save_gguf(export, vocab, export_ternary, getattr(torch, export_dtype, None))
     except (OSError, ValueError) as e:
         sys.exit(f"error: cannot export {ckpt!r} to GGUF: {e}")
-    sys.exit(print(f"wrote {export}: {os.path.getsize(export) / 2**20:.1f} MiB"))
+    print(f"wrote {export}: {os.path.getsize(export) / 2**20:.1f} MiB")
+    if adapters:  # llama.cpp's LoRA file: each A (r, in) and B (out, r) in fp32, named after its matrix
+        tensors = [(f'blk.{i}.{GGUF_NAMES[p]}.weight.{ab.lower()}', 0, v.shape, v.numpy().tobytes())
+                   for k, v in model.layers.state_dict().items() if '.lora_' in k
+                   for i, _, p, ab, _ in [k.split('.')]]  # k: 0.self_attn.q_proj.lora_A.weight
+        kv = {'general.architecture': 'bitnet', 'general.type': 'adapter', 'adapter.type': 'lora',
+              'adapter.lora.alpha': float(lora['lora_alpha'])}  # llama.cpp adds (alpha / r) B A x, as we do
+        write_gguf(export := export.removesuffix('.gguf') + '-lora.gguf', kv, tensors)
+        print(f"wrote {export}: the adapters (llama-cli -m BASE.gguf --lora {os.path.basename(export)})")
+    sys.exit()
 
 torch.manual_seed(seed)
 idx = torch.tensor([ids], device=device)

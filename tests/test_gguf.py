@@ -148,11 +148,11 @@ def test_llama_cpp_tokenizes_as_we_do(tmp_path):
         assert llm.detokenize(enc.encode_ordinary(texts[0])).decode() == texts[0]
 
 
-def agreement(ours, path, tokens, T=128):
+def agreement(ours, path, tokens, T=128, **kw):
     """Max |logit difference| and top-1 agreement between our model and llama.cpp on `tokens`, in
     windows of T (the tiny models' context)."""
     # an fp32 KV cache (llama.cpp's default is fp16, which alone moves logits by ~1e-2)
-    llm = llama(path, n_ctx=T, n_batch=T, n_ubatch=T, logits_all=True, type_k=0, type_v=0, flash_attn=False)
+    llm = llama(path, n_ctx=T, n_batch=T, n_ubatch=T, logits_all=True, type_k=0, type_v=0, flash_attn=False, **kw)
     diff, same = 0.0, 0
     for i in range(0, len(tokens), T):
         window = tokens[i:i + T]
@@ -191,6 +191,23 @@ def test_llama_cpp_runs_our_ternary_export(trained, tmp_path, name, ternary):
     diff, top1 = agreement(ours, path, tokens)
     print(f"{name} {ternary}: max |logit diff| {diff:.4f}, top-1 agreement {top1:.4f}")
     assert top1 >= 0.99 and diff < 0.5
+
+
+@pytest.mark.slow
+def test_llama_cpp_applies_our_lora_adapters_to_a_ternary_base(trained, tmp_path):
+    """sample.py --export on a LoRA checkpoint of a ternary base: the base GGUF plus llama.cpp's
+    separate adapter file; llama.cpp with both gives our logits with the adapters."""
+    from test_lora import save_random_adapters
+    ckpt, path = tmp_path / 'lora', tmp_path / 'm.gguf'
+    ours = save_random_adapters(Transformer.from_pretrained(trained['blocks']).freeze(), trained['blocks'], ckpt).eval()
+    r = subprocess.run([sys.executable, 'sample.py', f'--ckpt={ckpt}', f'--export={path}'],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and 'wrote' in r.stdout, r.stderr
+    tokens = data.offline_corpus(data.get_tokenizer('bytes'))[1][:256].tolist()  # held out
+    diff, top1 = agreement(ours, path, tokens, lora_path=str(tmp_path / 'm-lora.gguf'))
+    print(f"with adapters: max |logit diff| {diff:.4f}, top-1 agreement {top1:.4f}")
+    assert top1 >= 0.99 and diff < 0.5
+    assert agreement(ours, path, tokens)[0] > 5 * diff  # without the adapter file llama.cpp is off
 
 
 @pytest.mark.slow
