@@ -175,23 +175,25 @@ def bench_decode(prompt=128, new=32):
                  for k, m in models.items() for i, (x, n) in enumerate(((long, 1), (one, new)))}
         sizes, t0 = {k: weight_mib(m) for k, m in models.items()}, time.perf_counter()
         compiled.generate(long, 2)  # compiles prefill and decode
-        compile_s, tmp = time.perf_counter() - t0, tempfile.mkdtemp()
-        for kind in ['tq2_0', 'tq1_0', 'tq2_0, q8_0 head', 'q4_0'] if llama_cpp else ():
-            path = os.path.join(tmp, kind.replace(' ', '').replace(',', '_') + '.gguf')
-            if kind in ('tq2_0', 'tq1_0'):
-                packed.save_gguf(path, gguf_vocab(enc, fp.config.vocab_size), kind)
-            else:  # llama.cpp's own quantizer, from the exact TQ2_0 export
-                p = llama_cpp.llama_model_quantize_default_params()
-                p.ftype = getattr(llama_cpp, f'LLAMA_FTYPE_MOSTLY_{kind[:5].upper()}')
-                p.allow_requantize, p.nthread, p.pure = True, 2, kind.endswith('head')
-                head_type = llama_cpp.GGML_TYPE_Q8_0 if p.pure else p.output_tensor_type
-                p.token_embedding_type = p.output_tensor_type = head_type
-                llama_cpp.llama_model_quantize(f'{tmp}/tq2_0.gguf'.encode(), path.encode(), p)
-            llm = llama_cpp.Llama(path, n_ctx=prompt + new, n_batch=prompt, n_threads=2, verbose=False)
-            key, sizes[key] = f'llama.cpp {kind.upper()}', os.path.getsize(path) / 2**20
-            cases[key, 0] = (lambda m, x: llama_cpp_run(m, x, 1), [(llm, long[0].tolist())])
-            cases[key, 1] = (lambda m, x: llama_cpp_run(m, x, new), [(llm, one[0].tolist())])
-        t = timeit(cases, reps=3, calls=1)
+        compile_s = time.perf_counter() - t0
+        with tempfile.TemporaryDirectory() as tmp:  # the GGUF files, up to 1.6 GB per model
+            for kind in ['tq2_0', 'tq1_0', 'tq2_0, q8_0 head', 'q4_0'] if llama_cpp else ():
+                path = os.path.join(tmp, kind.replace(' ', '').replace(',', '_') + '.gguf')
+                if kind in ('tq2_0', 'tq1_0'):
+                    packed.save_gguf(path, gguf_vocab(enc, fp.config.vocab_size), kind)
+                else:  # llama.cpp's own quantizer, from the exact TQ2_0 export
+                    p = llama_cpp.llama_model_quantize_default_params()
+                    p.ftype = getattr(llama_cpp, f'LLAMA_FTYPE_MOSTLY_{kind[:5].upper()}')
+                    p.allow_requantize, p.nthread, p.pure = True, 2, kind.endswith('head')
+                    head_type = llama_cpp.GGML_TYPE_Q8_0 if p.pure else p.output_tensor_type
+                    p.token_embedding_type = p.output_tensor_type = head_type
+                    llama_cpp.llama_model_quantize(f'{tmp}/tq2_0.gguf'.encode(), path.encode(), p)
+                llm = llama_cpp.Llama(path, n_ctx=prompt + new, n_batch=prompt, n_threads=2,
+                                      verbose=False)
+                key, sizes[key] = f'llama.cpp {kind.upper()}', os.path.getsize(path) / 2**20
+                cases[key, 0] = (lambda m, x: llama_cpp_run(m, x, 1), [(llm, long[0].tolist())])
+                cases[key, 1] = (lambda m, x: llama_cpp_run(m, x, new), [(llm, one[0].tolist())])
+            t = timeit(cases, reps=3, calls=1)
         print(f"\n{name} ({fp.num_params() / 1e6:.0f}M), batch 1, 2 threads: prefill of {prompt} "
               f"tokens, greedy decode of {new} (compiling took {compile_s:.0f} s)\n{'':>26} "
               f"{'weights MiB':>11} {'prefill tok/s':>13} {'decode tok/s':>12}")
