@@ -152,7 +152,8 @@ def agreement(ours, path, tokens, T=128, **kw):
     """Max |logit difference| and top-1 agreement between our model and llama.cpp on `tokens`, in
     windows of T (the tiny models' context)."""
     # an fp32 KV cache (llama.cpp's default is fp16, which alone moves logits by ~1e-2)
-    llm = llama(path, n_ctx=T, n_batch=T, n_ubatch=T, logits_all=True, type_k=0, type_v=0, flash_attn=False, **kw)
+    llm = llama(path, n_ctx=T, n_batch=T, n_ubatch=T, logits_all=True, type_k=0, type_v=0, flash_attn=False,
+                **kw)
     diff, same = 0.0, 0
     for i in range(0, len(tokens), T):
         window = tokens[i:i + T]
@@ -199,7 +200,8 @@ def test_llama_cpp_applies_our_lora_adapters_to_a_ternary_base(trained, tmp_path
     separate adapter file; llama.cpp with both gives our logits with the adapters."""
     from test_lora import save_random_adapters
     ckpt, path = tmp_path / 'lora', tmp_path / 'm.gguf'
-    ours = save_random_adapters(Transformer.from_pretrained(trained['blocks']).freeze(), trained['blocks'], ckpt).eval()
+    base = Transformer.from_pretrained(trained['blocks']).freeze()
+    ours = save_random_adapters(base, trained['blocks'], ckpt).eval()
     r = subprocess.run([sys.executable, 'sample.py', f'--ckpt={ckpt}', f'--export={path}'],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and 'wrote' in r.stdout, r.stderr
