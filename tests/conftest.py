@@ -71,7 +71,7 @@ class Hub(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def hub(tmp_path, monkeypatch):
+def hub_server(tmp_path, monkeypatch):
     server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Hub)
     server.files, server.log, server.cut, server.delay, server.rate, server.cdn_host = {}, [], set(), 0.0, 0, ''
     threading.Thread(target=server.serve_forever, daemon=True).start()

@@ -10,7 +10,7 @@ import zipfile
 
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data import cache_dir  # noqa: E402
+from hub import cache_dir  # noqa: E402
 
 
 def smollm2():

@@ -149,7 +149,8 @@ def test_fast_function_is_bit_identical_to_the_reference(shape, bias, lam):
 
 @pytest.mark.slow
 def test_training_curve_of_the_fast_path_equals_the_reference():
-    from data import get_batch, get_tokenizer, offline_corpus
+    from tokenizer import get_tokenizer
+    from data import get_batch, offline_corpus
     data, curves = offline_corpus(get_tokenizer('bytes'))[0], []
     for use_reference in (False, True):
         torch.manual_seed(1337)

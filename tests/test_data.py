@@ -1,4 +1,4 @@
-"""data.py: tokenizers against HF tokenizers, shards, prepare, SFT masks, the loader, remixing."""
+"""tokenizer.py against HF tokenizers; data.py: shards, prepare, SFT masks, the loader, remixing."""
 import glob
 import json
 import os
@@ -15,7 +15,8 @@ import tiktoken
 import torch
 
 import data
-import objectives
+import hub
+import tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
@@ -74,7 +75,7 @@ def fuzz(n, seed=0):
 def test_hf_tokenizer_json_matches_hf_tokenizers(kind, tmp_path):
     hf = train_hf_tokenizer(kind, str(tmp_path))
     for name in (str(tmp_path), str(tmp_path / 'tokenizer.json')):  # a directory or the file
-        enc = data.get_tokenizer(name)
+        enc = tokenizer.get_tokenizer(name)
         assert isinstance(enc, tiktoken.Encoding) and enc.n_vocab == hf.get_vocab_size()
     merged = 0
     for text in corpus()[:40] + TEXTS + fuzz(1000):
@@ -84,7 +85,7 @@ def test_hf_tokenizer_json_matches_hf_tokenizers(kind, tmp_path):
         merged += sum(t > 300 for t in ours)
     assert merged > 1000  # the merges were exercised, not only single bytes
     assert enc.encode('<|im_end|><custom>', allowed_special='all') == [hf.token_to_id('<|im_end|>'), hf.token_to_id('<custom>')]
-    assert data.eos_id(enc) == hf.token_to_id('<|endoftext|>')
+    assert tokenizer.eos_id(enc) == hf.token_to_id('<|endoftext|>')
 
 
 def test_unsupported_tokenizers_fail_in_one_line(tmp_path):
@@ -99,19 +100,19 @@ def test_unsupported_tokenizers_fail_in_one_line(tmp_path):
     bpe.save(str(tmp_path / 'ws.json'))
     for path, what in (('wp.json', 'WordPiece'), ('ws.json', 'pre-tokenizer is Whitespace')):
         with pytest.raises(ValueError) as e:
-            data.get_tokenizer(str(tmp_path / path))
+            tokenizer.get_tokenizer(str(tmp_path / path))
         assert 'byte-level BPE' in str(e.value) and what in str(e.value) and '\n' not in str(e.value)
     with pytest.raises(ValueError, match="unknown tokenizer 'no such thing'"):
-        data.get_tokenizer('no such thing')
+        tokenizer.get_tokenizer('no such thing')
 
 
 def test_byte_encoding_eos_and_no_eos():
-    enc = data.get_tokenizer('bytes')
-    assert data.eos_id(enc) == 256 and enc.decode(enc.encode_ordinary('héllo')) == 'héllo'
-    bare = tiktoken.Encoding('bare', pat_str=data.GPT2_PATTERN, mergeable_ranks={bytes([i]): i for i in range(256)},
+    enc = tokenizer.get_tokenizer('bytes')
+    assert tokenizer.eos_id(enc) == 256 and enc.decode(enc.encode_ordinary('héllo')) == 'héllo'
+    bare = tiktoken.Encoding('bare', pat_str=tokenizer.GPT2_PATTERN, mergeable_ranks={bytes([i]): i for i in range(256)},
                              special_tokens={})
     with pytest.raises(ValueError, match='end-of-text'):
-        data.eos_id(bare)
+        tokenizer.eos_id(bare)
 
 
 # -----------------------------------------------------------------------------
@@ -153,17 +154,18 @@ def read_split(folder, split, ext='.bin'):
     return np.concatenate([data.read_shard(p) for p in paths]) if paths else np.zeros(0), len(paths)
 
 
-def test_prepare_text_equals_encoding_each_document(tmp_path, gpt2_tok, monkeypatch):
-    monkeypatch.setattr(data, 'UNIT', 2000)  # small work units, and a long text cut into pieces
+def test_prepare_text_equals_encoding_each_document(tmp_path, gpt2_tok):
+    unit = 2000  # small work units, and a long text cut into pieces
     docs = corpus()[:30] + ['\n'.join(corpus()[30:36])]
-    assert len(docs[-1]) > 3 * data.UNIT
+    assert len(docs[-1]) > 3 * unit
     with open(tmp_path / 'in.txt', 'w') as f:
         f.write('\n<|endoftext|>\n'.join(docs))
-    counts = data.prepare([str(tmp_path / 'in.txt')], str(tmp_path / 'out'), gpt2_tok, val_every=4, shard_tokens=3000, workers=2)
-    enc = data.get_tokenizer(gpt2_tok)
+    counts = data.prepare([str(tmp_path / 'in.txt')], str(tmp_path / 'out'), gpt2_tok, val_every=4,
+                          shard_tokens=3000, workers=2, unit=unit)
+    enc = tokenizer.get_tokenizer(gpt2_tok)
     expect = {'train': [], 'val': []}
     for i, doc in enumerate(docs, 1):
-        expect['val' if i % 4 == 0 else 'train'] += [data.eos_id(enc)] + enc.encode_ordinary(doc.strip())
+        expect['val' if i % 4 == 0 else 'train'] += [tokenizer.eos_id(enc)] + enc.encode_ordinary(doc.strip())
     for split in ('train', 'val'):
         tokens, shards = read_split(str(tmp_path / 'out'), split)
         assert tokens.tolist() == expect[split] and counts[split] == len(expect[split])
@@ -177,7 +179,7 @@ def test_prepare_jsonl_with_val_file_and_bad_field(tmp_path):
             f.writelines(json.dumps({'body': t, 'id': i}) + '\n' for i, t in enumerate(texts))
     folder = str(tmp_path / 'out')
     data.prepare([str(tmp_path / 'a.jsonl')], folder, 'bytes', 'jsonl', [str(tmp_path / 'b.jsonl')], text_field='body', workers=1)
-    enc = data.byte_encoding()
+    enc = tokenizer.byte_encoding()
     assert enc.decode(read_split(folder, 'train')[0].tolist()) == '<|endoftext|>one<|endoftext|>two<|endoftext|>three'
     assert enc.decode(read_split(folder, 'val')[0].tolist()) == '<|endoftext|>held out'
     with pytest.raises(FileExistsError, match='already holds token shards'):
@@ -220,11 +222,11 @@ def test_sft_masks_count_exactly_the_assistant_tokens(layout, tmp_path):
         f.writelines(json.dumps(row) + '\n' for row in CHATS[layout])
     folder = str(tmp_path / 'out')
     data.prepare([str(tmp_path / 'chat.jsonl')], folder, 'bytes', 'chat', [str(tmp_path / 'chat.jsonl')], workers=1)
-    enc = data.byte_encoding()
+    enc = tokenizer.byte_encoding()
     tokens, _ = read_split(folder, 'train')
     mask, _ = read_split(folder, 'train', '.mask')
     assert len(mask) == len(tokens) and set(np.unique(mask)) == {0, 1}
-    answers = [t for row in CHATS[layout] for role, t in data.chat_turns(row) if role == 'assistant']
+    answers = [t for row in CHATS[layout] for role, t in tokenizer.chat_turns(row) if role == 'assistant']
     assert enc.decode(tokens[mask == 1].tolist()) == ''.join(a + '<|im_end|>' for a in answers)
     assert mask.sum() == sum(len(enc.encode_ordinary(a)) + 1 for a in answers)
     first = show(enc, tokens.tolist(), mask.tolist()).split('<|endoftext|>')[1]
@@ -239,11 +241,11 @@ def test_chat_ids_equal_hf_tokenizing_the_rendered_template(kind, tmp_path):
     whitespace merges with the header's newline. Ours must give the same ids, and count every
     token that holds any of the answer."""
     hf = train_hf_tokenizer(kind, str(tmp_path))
-    enc = data.get_tokenizer(str(tmp_path))
+    enc = tokenizer.get_tokenizer(str(tmp_path))
     for answer in ('Hello!', ' Hello!', '\n\nfirst paragraph', '    indented = True', '', '2024\n'):
         turns = [('user', 'Hi\n'), ('assistant', answer)]
         rendered = '<|endoftext|>' + ''.join(f'<|im_start|>{r}\n{t}<|im_end|>\n' for r, t in turns)
-        tokens, mask = data.render_chat(enc, turns)
+        tokens, mask = tokenizer.render_chat(enc, turns)
         assert tokens == hf.encode(rendered, add_special_tokens=False).ids, repr(answer)
         counted = enc.decode([t for t, m in zip(tokens, mask) if m])  # the answer, and at most the newline before
         assert counted.endswith(answer + '<|im_end|>') and ('\n' + answer + '<|im_end|>').endswith(counted)
@@ -251,17 +253,17 @@ def test_chat_ids_equal_hf_tokenizing_the_rendered_template(kind, tmp_path):
 
 def test_llama3_template_and_missing_chat_tokens():
     specials = ['<|end_of_text|>', '<|start_header_id|>', '<|end_header_id|>', '<|eot_id|>']
-    enc = tiktoken.Encoding('llama-like', pat_str=data.GPT2_PATTERN, mergeable_ranks={bytes([i]): i for i in range(256)},
+    enc = tiktoken.Encoding('llama-like', pat_str=tokenizer.GPT2_PATTERN, mergeable_ranks={bytes([i]): i for i in range(256)},
                             special_tokens={t: 256 + i for i, t in enumerate(specials)})
-    tokens, mask = data.render_chat(enc, [('user', 'Hi'), ('assistant', 'Yo')])
+    tokens, mask = tokenizer.render_chat(enc, [('user', 'Hi'), ('assistant', 'Yo')])
     assert show(enc, tokens, mask) == ('<|end_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>'
                                        '<|start_header_id|>assistant<|end_header_id|>\n\n[Yo<|eot_id|>]')
-    plain = tiktoken.Encoding('plain', pat_str=data.GPT2_PATTERN, mergeable_ranks={bytes([i]): i for i in range(256)},
+    plain = tiktoken.Encoding('plain', pat_str=tokenizer.GPT2_PATTERN, mergeable_ranks={bytes([i]): i for i in range(256)},
                               special_tokens={'<|endoftext|>': 256})
     with pytest.raises(ValueError, match='no chat tokens'):
-        data.render_chat(plain, [('user', 'Hi')])
+        tokenizer.render_chat(plain, [('user', 'Hi')])
     with pytest.raises(ValueError, match="needs 'messages', 'conversations' or 'prompt' and 'response'"):
-        data.chat_turns({'question': 'Hi'})
+        tokenizer.chat_turns({'question': 'Hi'})
 
 
 def test_loader_turns_masks_into_ignored_targets(tmp_path):
@@ -272,7 +274,7 @@ def test_loader_turns_masks_into_ignored_targets(tmp_path):
     b = data.Loader(folder, 8, 32).next_batch()
     counted = b['y'] != data.IGNORE
     assert 0 < counted.sum() < counted.numel()
-    text = data.byte_encoding().decode(b['y'][counted].tolist())
+    text = tokenizer.byte_encoding().decode(b['y'][counted].tolist())
     assert set(text) <= set('Hello!4Blue.<|im_end|>')
 
 
@@ -372,7 +374,7 @@ def test_loader_errors(tmp_path):
 
 def test_remix_moves_weight_to_the_source_that_matches_val(tmp_path):
     from model import ModelConfig, Transformer
-    enc, rng = data.byte_encoding(), np.random.default_rng(0)
+    enc, rng = tokenizer.byte_encoding(), np.random.default_rng(0)
     prose = np.array(data.offline_corpus(enc, val_fraction=0)[0])
     n = len(prose) // 2
     for name, split, tokens in (('prose', 'train', prose[:n]), ('noise', 'train', rng.integers(0, 256, n)),
@@ -390,7 +392,7 @@ def test_remix_moves_weight_to_the_source_that_matches_val(tmp_path):
     val_batches = [val.next_batch() for _ in range(2)]
     weights = [loader.weights[0]]
     for _ in range(3):
-        scores = objectives.source_scores(model, loss_fn, loader.source_batches(), val_batches)
+        scores = data.source_scores(model, loss_fn, loader.source_batches(), val_batches)
         assert scores['prose'] > scores['noise'] + 0.1
         weights.append(loader.reweight(scores, eta=0.5, floor=0.05)['prose'])
     assert all(p.grad is None for p in model.parameters())
@@ -438,12 +440,12 @@ def test_data_configs_name_hub_files(name, monkeypatch):
     files = [f for v in scope['data_files'].values() for f in ([v] if isinstance(v, str) else v)]
     for src in files:
         repo, path = re.fullmatch(r'hf://datasets/([^/@]+/[^/@]+)/(.+)', src).groups()
-        assert data.hub_url(repo, path, 'dataset') == f'https://huggingface.co/datasets/{repo}/resolve/main/{path}'
+        assert hub.hub_url(repo, path, 'dataset') == f'https://huggingface.co/datasets/{repo}/resolve/main/{path}'
     assert len(files) == {'tinystories': 2, 'fineweb': 10, 'sft': 1}[name]
 
 
 def test_offline_corpus_and_get_batch():
-    enc = data.byte_encoding()
+    enc = tokenizer.byte_encoding()
     train, val = data.offline_corpus(enc)
     from pydoc_data.topics import topics
     assert (train == 256).sum() + (val == 256).sum() == len(topics) and train.dtype == np.uint16
@@ -485,7 +487,7 @@ def test_prepare_throughput(tmp_path):
     tok.train_from_iterator([sample[i:i + 10_000] for i in range(0, len(sample), 10_000)], trainers.BpeTrainer(
         vocab_size=32000, special_tokens=['<|endoftext|>'], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
     tok.save(str(tmp_path / 'tokenizer.json'))
-    enc = data.get_tokenizer(str(tmp_path / 'tokenizer.json'))
+    enc = tokenizer.get_tokenizer(str(tmp_path / 'tokenizer.json'))
     docs = list(data._documents(path, 'text'))
     mb = os.path.getsize(path) / 1e6
     alone, ours = [], []

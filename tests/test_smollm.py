@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import ROOT
+from engine import fuse, generate
 from model import ModelConfig, Transformer
 
 # HuggingFaceTB/SmolLM2-135M's config.json, in our names
@@ -91,12 +92,12 @@ def smollm_hub_files(tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm_command_end_to_end_against_a_local_hub(hub, tmp_path):
+def test_smollm_command_end_to_end_against_a_local_hub(hub_server, tmp_path):
     """torchrun --nproc_per_node=2 train.py config/smollm.py --max_steps=10, offline: the model,
     tokenizer and stories come from a hub on 127.0.0.1; the checkpoint opens in transformers."""
     pytest.importorskip('accelerate')
     from transformers import AutoModelForCausalLM
-    hub.files.update(smollm_hub_files(tmp_path))
+    hub_server.files.update(smollm_hub_files(tmp_path))
     out, shards = tmp_path / 'out', tmp_path / 'stories'
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', 'train.py', 'config/smollm.py',
            '--max_steps=10', f'--out_dir={out}', f'--dataset={shards}', '--batch_size=2', '--block_size=64',
@@ -107,7 +108,7 @@ def test_smollm_command_end_to_end_against_a_local_hub(hub, tmp_path):
     assert [rec['step'] for rec in recs] == list(range(1, 11))
     assert recs[0]['w_kd'] == recs[-1]['w_kd'] == 1 and recs[0]['w_ce'] == 1  # CE + KD from the start
     assert all(math.isfinite(recs[-1][k]) and recs[-1][k] > 0 for k in ('loss_ce', 'loss_kd'))
-    downloads = [p for p, _, _ in hub.log if '/resolve/' in p]
+    downloads = [p for p, _, _ in hub_server.log if '/resolve/' in p]
     # the five files and probes (404s) for a shard index and the two chat-template files, each asked
     # once: by local rank 0 only
     assert len(downloads) == len(set(downloads)) == 8
@@ -164,7 +165,7 @@ def real_texts():
 @pytest.mark.slow
 def test_real_tokenizer_ids_equal_hf_tokenizers(real):
     from tokenizers import Tokenizer
-    from data import get_tokenizer
+    from tokenizer import get_tokenizer
     theirs, ours = Tokenizer.from_file(os.path.join(real, 'tokenizer.json')), get_tokenizer(real)
     for text in real_texts():
         assert ours.encode(text, allowed_special='all') == theirs.encode(text, add_special_tokens=False).ids, text[:60]
@@ -174,7 +175,7 @@ def test_real_tokenizer_ids_equal_hf_tokenizers(real):
 @pytest.mark.slow
 def test_real_model_logits_and_greedy_answer_equal_transformers(real):
     from transformers import AutoModelForCausalLM
-    from data import chat_prompt, get_tokenizer
+    from tokenizer import chat_prompt, get_tokenizer
     enc = get_tokenizer(real)
     ours, theirs = Transformer.from_pretrained(real).eval(), AutoModelForCausalLM.from_pretrained(real).eval()
     x = torch.tensor([enc.encode(''.join(real_texts()), allowed_special='all')[:200]])
@@ -183,7 +184,7 @@ def test_real_model_logits_and_greedy_answer_equal_transformers(real):
     assert diff < 1e-4, diff
     prompt = torch.tensor([chat_prompt(enc, 'What is the capital of France?')])
     with torch.no_grad():
-        a = ours.generate(prompt, 12, temperature=0, eos_id=enc.encode_single_token('<|im_end|>'))[0, prompt.size(1):]
+        a = generate(ours, prompt, 12, temperature=0, eos_id=enc.encode_single_token('<|im_end|>'))[0, prompt.size(1):]
         b = theirs.generate(prompt, max_new_tokens=12, do_sample=False)[0, prompt.size(1):]
     assert a.tolist() == b.tolist() and 'Paris' in enc.decode(a.tolist())
 
@@ -193,7 +194,8 @@ def test_real_model_converted_at_lambda_0_keeps_its_held_out_loss(real):
     """Conversion inserts SubLN; at lambda 0 the converted model must still be the pretrained one.
     Calibrated gains also keep it close with the norms at full strength, where gain 1 breaks it."""
     from bitlinear import SubLN, set_lambda
-    from data import get_tokenizer, offline_corpus
+    from tokenizer import get_tokenizer
+    from data import offline_corpus
     train, val = (torch.from_numpy(t[:2049].astype('int64')) for t in offline_corpus(get_tokenizer(real)))
 
     @torch.no_grad()
@@ -221,11 +223,12 @@ def test_real_model_int8_head_keeps_held_out_loss_and_greedy_answers(real):
     """Transformer.fuse gives the head int8 rows (4x fewer bytes per token). On the real model, that
     must barely change what it says: held-out loss within 0.01 nats; greedy chat answers the same for
     their first 16 tokens (measured: the third answer takes another turn after 22 tokens)."""
-    from data import chat_prompt, get_tokenizer, offline_corpus
+    from tokenizer import chat_prompt, get_tokenizer
+    from data import offline_corpus
     enc = get_tokenizer(real)
     val = torch.from_numpy(offline_corpus(enc)[1][:2049].astype('int64'))
     fp = Transformer.from_pretrained(real).eval()
-    int8 = Transformer.from_pretrained(real).eval().fuse()
+    int8 = fuse(Transformer.from_pretrained(real).eval())
     assert fp.head8 is None and int8.head8 is not None
     with torch.no_grad():
         loss = [F.cross_entropy(m(val[:-1].view(4, 512)).flatten(0, 1), val[1:]).item() for m in (fp, int8)]
@@ -235,5 +238,5 @@ def test_real_model_int8_head_keeps_held_out_loss_and_greedy_answers(real):
     for question in ('What is the capital of France?', 'Write a Python function that reverses a string.',
                      'Give me three tips for staying focused.'):
         prompt = torch.tensor([chat_prompt(enc, question)])
-        a, b = (m.generate(prompt, 16, temperature=0, eos_id=end)[0, prompt.size(1):].tolist() for m in (fp, int8))
+        a, b = (generate(m, prompt, 16, temperature=0, eos_id=end)[0, prompt.size(1):].tolist() for m in (fp, int8))
         assert a == b, (question, enc.decode(a), enc.decode(b))

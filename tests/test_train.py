@@ -136,8 +136,9 @@ def test_bad_data_settings_fail_in_one_line(tmp_path):
 
 
 def test_every_eval_logs_the_greedy_continuations_of_eval_prompts(tmp_path):
-    from data import get_tokenizer
+    from engine import generate
     from model import Transformer
+    from tokenizer import get_tokenizer
     out = str(tmp_path / 'out')
     r = run([*TINY, f'--out_dir={out}', '--max_steps=4', '--eval_interval=2', "--eval_prompts=['def ', 'The ']"])
     assert r.returncode == 0, r.stderr
@@ -147,7 +148,7 @@ def test_every_eval_logs_the_greedy_continuations_of_eval_prompts(tmp_path):
     model, enc = Transformer.from_pretrained(os.path.join(out, 'ckpt_0000004')).eval(), get_tokenizer('bytes')
     for prompt, sample in zip(('def ', 'The '), recs[-1]['samples']):
         x = torch.tensor([enc.encode_ordinary(prompt)])
-        y = model.generate(x, 32 - x.size(1), temperature=0, vocab=enc.n_vocab)[0, x.size(1):]
+        y = generate(model, x, 32 - x.size(1), temperature=0, vocab=enc.n_vocab)[0, x.size(1):]
         assert sample == enc.decode(y.tolist()) and len(y) == 28
 
 

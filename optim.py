@@ -1,0 +1,158 @@
+"""
+Optimisation: what a training step needs besides the losses, each a plain function of its
+inputs, so that train.py stays a spine and each piece is read and tested alone.
+
+- Parameter groups with their own LRs: the hidden matrices, the embedding, an untied head, and
+  the scalars (norm gains, biases), which are never decayed.
+- AdamW, or Muon (Jordan et al. 2024) for the hidden matrices: it orthogonalises each update
+  with a Newton-Schulz iteration; and ZeRO-1 (Rajbhandari et al. 2020), each rank keeping the
+  optimizer state of its share of the parameters.
+- LR schedules: warmup, then cosine, linear, constant, warmup-stable-decay, or BitNet b1.58's
+  two stages.
+- ZClip (Kumar et al. 2025): adaptive clipping of gradient-norm spikes by their z-score.
+- The LR range test (Smith 2017), and the largest batch that fits on a GPU.
+"""
+import math
+
+import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+SCHEDULES = ('cosine', 'linear', 'constant', 'wsd', 'two_stage')
+
+
+def param_groups(model, lr, weight_decay, embed_lr=0.0, head_lr=0.0, scalar_lr=0.0):
+    """Groups with their own base LRs (0: lr): the hidden matrices (2-D, in the blocks), the
+    embedding, an untied head, and the scalars (norm gains, biases), which are never decayed.
+    Frozen parameters (a LoRA base) are left out: no optimizer state for them."""
+    groups = {'hidden': [], 'embed': [], 'head': [], 'scalar': []}
+    for name, p in ((n, p) for n, p in model.named_parameters() if p.requires_grad):
+        kind = 'scalar' if p.dim() < 2 else {'embed_tokens': 'embed', 'lm_head': 'head'}.get(name.split('.')[0], 'hidden')
+        groups[kind].append(p)
+    lrs = {'hidden': lr, 'embed': embed_lr, 'head': head_lr, 'scalar': scalar_lr}
+    return [{'params': ps, 'name': n, 'base_lr': lrs[n] or lr, 'weight_decay': 0.0 if n == 'scalar' else weight_decay}
+            for n, ps in groups.items() if ps]
+
+
+def make_optimizers(groups, kind='adamw', lr=1e-3, betas=(0.9, 0.95), zero1=False):
+    """AdamW for every group, or Muon for the hidden matrices: it orthogonalises each update
+    (Newton-Schulz), scaled by match_rms_adamw to take an AdamW-sized LR; the rest stays on AdamW.
+    zero1: each rank keeps and updates the optimizer state of its share of the parameters."""
+    if kind not in ('adamw', 'muon'):
+        raise ValueError(f"optimizer={kind!r}; use adamw or muon")
+    made = [(torch.optim.AdamW, [g for g in groups if kind == 'adamw' or g['name'] != 'hidden'],
+             dict(lr=lr, betas=betas))]
+    if kind == 'muon':
+        made.append((torch.optim.Muon, [g for g in groups if g['name'] == 'hidden'],
+                     dict(lr=lr, momentum=0.95, nesterov=True, adjust_lr_fn='match_rms_adamw')))
+    if zero1:
+        return [ZeroRedundancyOptimizer(g, optimizer_class=cls, **kw) for cls, g, kw in made]
+    return [cls(g, **kw) for cls, g, kw in made]
+
+
+def set_lr(optimizers, factor):
+    """Every group's LR: its base LR times factor. Returns them, for the log."""
+    for g in (g for opt in optimizers for g in opt.param_groups):
+        g['lr'] = g['base_lr'] * factor
+    return {f"lr_{g['name']}": g['lr'] for opt in optimizers for g in opt.param_groups}
+
+
+def optimizer_step(optimizers, scaler, skip=False):
+    """Each optimizer's step (none when skipped: a non-finite step), the fp16 gradient scaler's
+    update, and the gradients cleared for the next step."""
+    for opt in optimizers:
+        if not skip:
+            scaler.step(opt)
+        opt.zero_grad(set_to_none=True)
+    scaler.update()
+
+
+def lr_factor(step, max_steps, warmup_steps, schedule='cosine', floor=0.1, decay_frac=0.2):
+    """The LR of `step` as a fraction of each group's base LR; `floor` is min_lr / learning_rate.
+    1) linear warmup over warmup_steps (and nothing else for 'constant');
+    2) 'linear' or 'cosine' decay from 1 to floor over the remaining steps;
+    3) 'wsd' (warmup-stable-decay): flat, then linear to floor over the last decay_frac of the steps;
+    4) 'two_stage' (BitNet b1.58): cosine, halved from the midpoint on."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}; use one of {', '.join(SCHEDULES)}")
+    if step < warmup_steps or schedule == 'constant':
+        return min(1.0, (step + 1) / max(1, warmup_steps))
+    ratio = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    if schedule == 'linear':
+        return 1.0 - (1.0 - floor) * ratio
+    if schedule == 'wsd':
+        return 1.0 - (1.0 - floor) * max(0.0, (step - (1 - decay_frac) * max_steps) / (decay_frac * max_steps))
+    cosine = floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1.0 - floor)
+    return cosine / 2 if schedule == 'two_stage' and step >= max_steps // 2 else cosine
+
+
+class ZClip:
+    """Adaptive gradient clipping: EMAs of the grad norm's mean and variance; a norm whose z-score
+    exceeds z_thresh is a spike, clipped to mu + z_thresh^2 / z * sigma (the further out, the
+    harder). The first `warmup` norms only seed the statistics, clipped at the fixed `max_norm`."""
+
+    def __init__(self, z_thresh=2.5, alpha=0.97, warmup=25, max_norm=0.0):
+        self.z_thresh, self.alpha, self.warmup, self.max_norm = z_thresh, alpha, warmup, max_norm
+        self.norms, self.mu, self.var = [], 0.0, 0.0
+
+    @property
+    def adaptive(self):
+        return len(self.norms) == self.warmup
+
+    def target(self, g):
+        """The norm to clip a finite norm g to (g itself when it is not a spike); updates the
+        statistics. A non-finite norm must never reach it: its step is skipped, and a NaN mean
+        would turn clipping off for good."""
+        if not self.adaptive:
+            self.norms.append(g)  # the raw norms: clipping them would bias the statistics low
+            if self.adaptive:
+                t = torch.tensor(self.norms, dtype=torch.float64)
+                self.mu, self.var = t.mean().item(), t.var(unbiased=False).item()
+            return min(g, self.max_norm or g)
+        sigma = math.sqrt(self.var)
+        z = (g - self.mu) / (sigma + 1e-6)
+        clipped = self.mu + self.z_thresh ** 2 / z * sigma if z > self.z_thresh else g
+        self.mu = self.alpha * self.mu + (1 - self.alpha) * clipped
+        self.var = self.alpha * self.var + (1 - self.alpha) * (clipped - self.mu) ** 2
+        return clipped
+
+
+def lr_range_test(train_step, steps=100, lo=1e-8, hi=1.0):
+    """LR range test: raise the LR exponentially from lo to hi, one optimizer step each (train_step(i, lr)
+    takes step i at that LR and returns its loss), until the smoothed loss exceeds 4x its minimum.
+    Returns the LRs, the smoothed losses and the suggestion: the LR where the loss fell fastest. The
+    caller puts the model back afterwards."""
+    lrs, losses, avg = [], [], 0.0
+    for i in range(steps):
+        lrs.append(lo * (hi / lo) ** (i / (steps - 1)))
+        avg = 0.98 * avg + 0.02 * train_step(i, lrs[-1])
+        losses.append(avg / (1 - 0.98 ** (i + 1)))  # bias-corrected EMA
+        if not math.isfinite(losses[-1]) or losses[-1] > 4 * min(losses):
+            break
+    slopes = [(losses[i + 1] - losses[i - 1]) / math.log(lrs[i + 1] / lrs[i - 1]) for i in range(1, len(lrs) - 1)]
+    return lrs, losses, lrs[1 + min(range(len(slopes)), key=slopes.__getitem__)]
+
+
+def write_svg(path, xs, ys, mark, W=480, H=300):
+    """The LR range test's curve: smoothed loss against log10(LR), the suggestion in red."""
+    lx, ys = [math.log10(x) for x in xs], [min(y, 4 * min(ys)) for y in ys]
+    px = lambda v: 40 + (v - lx[0]) / (lx[-1] - lx[0]) * (W - 60)
+    py = lambda v: H - 30 - (v - min(ys)) / (max(ys) - min(ys) + 1e-12) * (H - 60)
+    points = ' '.join(f'{px(a):.1f},{py(b):.1f}' for a, b in zip(lx, ys))
+    x = f'{px(math.log10(mark)):.1f}'
+    with open(path, 'w') as f:
+        f.write(f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}">'
+                f'<rect width="100%" height="100%" fill="white"/>'
+                f'<polyline fill="none" stroke="black" points="{points}"/>'
+                f'<line x1="{x}" x2="{x}" y1="20" y2="{H - 30}" stroke="red"/><text x="45" y="15" font-size="11">'
+                f'smoothed loss vs LR from {xs[0]:.0e} to {xs[-1]:.0e} (log scale); red: suggested {mark:.1e}</text></svg>')
+
+
+def auto_batch_size(try_batch, start):
+    """The largest batch size <= start (halving) for which try_batch(b) runs without running out of
+    GPU memory."""
+    for b in (start >> i for i in range(start.bit_length())):
+        try:
+            return try_batch(b) or b
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+    return 1
