@@ -1,26 +1,28 @@
 """
-BitLinear: the 1.58-bit linear layer of BitNet b1.58 (Ma et al. 2024, "The Era of 1-bit
-LLMs"), and the conversion of a model to it.
+BitLinear: the 1.58-bit linear layer of BitNet b1.58 (Ma et al. 2024, "The Era
+of 1-bit LLMs"), and the conversion of a model to it.
 
-A BitLinear keeps fp "latent" weights, and in every forward pass quantizes the weights to
-{-1, 0, +1} times one scale per matrix, gamma = mean(|W|) (absmean), and the activations to
-int8 with one scale per token, s = 127 / max(|x|) (absmax), so that it computes exactly what
-the int8 x ternary inference kernel computes: y = (x_q @ W_q^T) * gamma / s.
-Rounding has no gradient, so training uses the straight-through estimator (STE, Bengio et
-al. 2013): the quantized value forward, the identity's gradient backward. Quantization warmup:
-ternary at once throws a pretrained model back to random-init loss, so the layer computes
+A BitLinear keeps fp "latent" weights, and in every forward pass quantizes the weights
+to {-1, 0, +1} times one scale per matrix, gamma = mean(|W|) (absmean), and the
+activations to int8 with one scale per token, s = 127 / max(|x|) (absmax), so that it
+computes exactly what the int8 x ternary inference kernel computes:
+y = (x_q @ W_q^T) * gamma / s. Rounding has no gradient, so training uses the
+straight-through estimator (STE, Bengio et al. 2013): the quantized value forward, the
+identity's gradient backward. Quantization warmup: ternary at once throws a pretrained
+model back to random-init loss, so the layer computes
 `x + lam * (quant(x) - x).detach()` and a trainer ramps lam from 0 (fp) to 1 (ternary).
 
-Converting a model (`convert_to_bitnet`): the attention/MLP linears become BitLinears with the
-same weights (embeddings and LM head stay fp), and two RMSNorms ("SubLN", Wang et al. 2023) go
-before o_proj and down_proj, whose inputs are badly scaled for int8; ramped in with lambda and
-calibrated (`calibrate_subln`), they keep a converted model at lambda = 0 exactly itself.
+Converting a model (`convert_to_bitnet`): the attention/MLP linears become BitLinears
+with the same weights (embeddings and LM head stay fp), and two RMSNorms ("SubLN",
+Wang et al. 2023) go before o_proj and down_proj, whose inputs are badly scaled for
+int8; ramped in with lambda and calibrated (`calibrate_subln`), they keep a converted
+model at lambda = 0 exactly itself.
 
-Freezing (`freeze`): each BitLinear becomes a PackedBitLinear that keeps only the 2-bit weights
-and gamma (16x less memory than fp32) for the integer kernels of kernels.py. It stays
-differentiable in its input, so adapters below it can train (lora.py). This file needs only
-torch and can be copied alone; without kernels.py, packed layers unpack in pure torch (same
-numbers, slower).
+Freezing (`freeze`): each BitLinear becomes a PackedBitLinear that keeps only the 2-bit
+weights and gamma (16x less memory than fp32) for the integer kernels of kernels.py. It
+stays differentiable in its input, so adapters below it can train (lora.py). This file
+needs only torch and can be copied alone; without kernels.py, packed layers unpack in
+pure torch (same numbers, slower).
 """
 import torch
 import torch.nn as nn
@@ -28,27 +30,32 @@ import torch.nn.functional as F
 
 
 def weight_quant(w):
-    """absmean: W_q = round(W / gamma) clipped to {-1, 0, 1}; gamma = mean|W| (fp32, clamped)."""
-    gamma = w.float().abs().mean().clamp(min=1e-5)  # a clamp on the mean, not an added epsilon
+    """absmean: W_q = round(W / gamma) clipped to {-1, 0, 1}; gamma = mean|W|
+    (fp32, clamped)."""
+    # a clamp on the mean, not an added epsilon
+    gamma = w.float().abs().mean().clamp(min=1e-5)
     w_q = (w.float() / gamma).round_().clamp_(-1, 1)  # zero exactly when |w| < gamma / 2
     return w_q, gamma
 
 
 def activation_quant(x):
-    """absmax per token: x_q = round(x * s) clipped to int8's range; s = 127 / max|x| (fp32)."""
+    """absmax per token: x_q = round(x * s) clipped to int8's range; s = 127 / max|x|
+    (fp32)."""
     s = 127 / x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)  # (..., 1)
     x_q = (x.float() * s).round_().clamp_(-128, 127)
     return x_q, s
 
 
 def ste(x, value):
-    """`value` forward, the identity's gradient (to x) backward: the STE (exact: x - x is 0)."""
+    """`value` forward, the identity's gradient (to x) backward: the STE
+    (exact: x - x is 0)."""
     return value.detach() + (x - x.detach())
 
 
 class BitLinear(nn.Linear):
-    """nn.Linear with fake-quantized (ternary) weights and int8 activations, trained with the
-    STE. It stores the latent fp weights: an nn.Linear's state dict, transformers' online format."""
+    """nn.Linear with fake-quantized (ternary) weights and int8 activations, trained
+    with the STE. It stores the latent fp weights: an nn.Linear's state dict,
+    transformers' online format."""
 
     def __init__(self, in_features, out_features, bias=False, device=None, dtype=None):
         super().__init__(in_features, out_features, bias, device, dtype)
@@ -58,14 +65,17 @@ class BitLinear(nn.Linear):
         self.lrc_u = self.lrc_v = None  # the optional low-rank correction, see add_lrc
 
     def reference(self, x):
-        """The definition: fake-quantize (blended with the fp values by lam), straight-through, F.linear.
-        Fully ternary, the value is the integer product F.linear(x_q, W_q) * gamma / s (exact in
-        fp32), as in the int8 kernel. F.linear(x_q / s, gamma * W_q) rounds differently in the last
-        bit, which the next quantizer turns into other int8 codes now and then: 200 steps later such
-        loss curves were 0.1-0.2 apart (bench.py curve). So the fast path equals the definition."""
+        """The definition: fake-quantize (blended with the fp values by lam),
+        straight-through, F.linear. Fully ternary, the value is the integer product
+        F.linear(x_q, W_q) * gamma / s (exact in fp32), as in the int8 kernel.
+        F.linear(x_q / s, gamma * W_q) rounds differently in the last bit, which the
+        next quantizer turns into other int8 codes now and then: 200 steps later such
+        loss curves were 0.1-0.2 apart (bench.py curve). So the fast path equals the
+        definition."""
         w_q, gamma = weight_quant(self.weight.detach())
         x_q, s = activation_quant(x.detach())
-        w = ste(self.weight, torch.lerp(self.weight.float(), w_q * gamma, self.lam))  # lerp is exact at lam = 1
+        # lerp is exact at lam = 1
+        w = ste(self.weight, torch.lerp(self.weight.float(), w_q * gamma, self.lam))
         y = F.linear(ste(x, torch.lerp(x.float(), x_q / s, self.lam)), w, self.bias)
         if self.ternary:
             exact = F.linear(x_q, w_q) * (gamma / s)
@@ -80,20 +90,22 @@ class BitLinear(nn.Linear):
 
 
 def int8_matmul(a, b):
-    """a (M, K) @ b (N, K)^T for int8 a, b, exact in int32 (returned as fp32): torch._int_mm on int8
-    units (VNNI, tensor cores) where the shapes allow, else fp32, exact too while K * 127 < 2^24."""
+    """a (M, K) @ b (N, K)^T for int8 a, b, exact in int32 (returned as fp32):
+    torch._int_mm on int8 units (VNNI, tensor cores) where the shapes allow, else fp32,
+    exact too while K * 127 < 2^24."""
     if a.shape[0] > 16 and a.shape[1] % 8 == 0 and b.shape[0] % 8 == 0:
         return torch._int_mm(a, b.t()).float()
     return a.float() @ b.float().t()
 
 
 class BitLinearFunction(torch.autograd.Function):
-    """`reference` as one autograd Function: the same numbers, bit for bit, faster and lighter.
-    Autograd through `reference` keeps fp32 copies of the fake-quantized x and W and runs an fp32
-    matmul. Fully ternary, the forward is an integer matmul, and the STE gradients
+    """`reference` as one autograd Function: the same numbers, bit for bit, faster and
+    lighter. Autograd through `reference` keeps fp32 copies of the fake-quantized x and
+    W and runs an fp32 matmul. Fully ternary, the forward is an integer matmul, and the
+    STE gradients
         grad_x = grad_y @ (gamma * W_q)        grad_W = grad_y^T @ (x_q / s)
-    need only x_q and W_q, saved as int8 (1 byte, not 4) with one scale per token. During warmup
-    (lam < 1) it saves the fp32 blends, as autograd would."""
+    need only x_q and W_q, saved as int8 (1 byte, not 4) with one scale per token.
+    During warmup (lam < 1) it saves the fp32 blends, as autograd would."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, lam, ternary):
@@ -107,7 +119,8 @@ class BitLinearFunction(torch.autograd.Function):
             y = int8_matmul(x_q, w_q) * (gamma / s)  # (M, N)
             y = y if bias is None else y + bias
         else:
-            x_f, w_f = torch.lerp(x2.float(), x_q / s, lam), torch.lerp(weight.float(), w_q * gamma, lam)
+            x_f = torch.lerp(x2.float(), x_q / s, lam)
+            w_f = torch.lerp(weight.float(), w_q * gamma, lam)
             ctx.save_for_backward(x_f, w_f)
             y = F.linear(x_f, w_f, bias)
         return y.to(x.dtype).view(*x.shape[:-1], -1)
@@ -117,23 +130,25 @@ class BitLinearFunction(torch.autograd.Function):
         g = grad_y.reshape(-1, grad_y.shape[-1])  # (M, N)
         if ctx.ternary:
             x_q, s, w_q, gamma = ctx.saved_tensors
-            # divide in fp32: in fp16 a token with max|x| < 1.9e-3 has s > 65504 = inf, and x_q / s = 0
+            # divide in fp32: in fp16 a token with max|x| < 1.9e-3 has s > 65504 = inf,
+            # and x_q / s = 0
             x_f, w_f = (x_q / s).to(g.dtype), w_q.to(g.dtype) * gamma.to(g.dtype)
         else:
             x_f, w_f = (t.to(g.dtype) for t in ctx.saved_tensors)
         grad_x = (g @ w_f).view(*grad_y.shape[:-1], -1)
         grad_w = g.t() @ x_f
-        return grad_x, grad_w.to(ctx.w_dtype), g.sum(0) if ctx.has_bias else None, None, None
+        grad_b = g.sum(0) if ctx.has_bias else None
+        return grad_x, grad_w.to(ctx.w_dtype), grad_b, None, None
 
 
 TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
 
 
 class SubLN(nn.RMSNorm):
-    """SubLN's RMSNorm, ramped in with the quantizers: lerp(x, rmsnorm(x), lam). At full strength
-    in a pretrained model it rescales every input of o_proj and down_proj to unit RMS, which
-    destroys it (SmolLM2-135M: 2.31 -> 16 nats per token held out). lam = 1 is transformers'
-    BitNet norm (lam is not saved)."""
+    """SubLN's RMSNorm, ramped in with the quantizers: lerp(x, rmsnorm(x), lam). At full
+    strength in a pretrained model it rescales every input of o_proj and down_proj to
+    unit RMS, which destroys it (SmolLM2-135M: 2.31 -> 16 nats per token held out).
+    lam = 1 is transformers' BitNet norm (lam is not saved)."""
 
     def __init__(self, dim, eps=1e-5, device=None, dtype=None):
         super().__init__(dim, eps=eps, device=device, dtype=dtype)
@@ -144,27 +159,31 @@ class SubLN(nn.RMSNorm):
 
 
 def convert_to_bitnet(module, eps=1e-5, targets=TARGETS):
-    """In place: swap the nn.Linear children named in `targets` for BitLinears with the same
-    weights, and turn Identity `attn_sub_norm` / `ffn_sub_norm` slots into SubLNs."""
+    """In place: swap the nn.Linear children named in `targets` for BitLinears with the
+    same weights, and turn Identity `attn_sub_norm` / `ffn_sub_norm` slots into
+    SubLNs."""
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if name in targets and type(child) is nn.Linear:
                 w = child.weight
-                bit = BitLinear(child.in_features, child.out_features, child.bias is not None, w.device, w.dtype)
+                bit = BitLinear(child.in_features, child.out_features,
+                                child.bias is not None, w.device, w.dtype)
                 bit.weight, bit.bias = child.weight, child.bias
                 setattr(parent, name, bit)
         for norm, proj in (('attn_sub_norm', 'o_proj'), ('ffn_sub_norm', 'down_proj')):
             if isinstance(getattr(parent, norm, None), nn.Identity):
                 w = getattr(parent, proj).weight
-                setattr(parent, norm, SubLN(w.shape[1], eps=eps, device=w.device, dtype=w.dtype))
+                sub_norm = SubLN(w.shape[1], eps=eps, device=w.device, dtype=w.dtype)
+                setattr(parent, norm, sub_norm)
     return module
 
 
 @torch.no_grad()
 def calibrate_subln(model, batches):
-    """Set each SubLN's gain so that at lam = 1 it changes its input as little as a gain can: per
-    channel c, g_c = sum(u_c x_c) / sum(u_c^2) over the tokens of `batches`, u = x / rms(x) (least
-    squares; gain 1 would rescale every channel to unit RMS). It runs at lambda 0, ends at 1."""
+    """Set each SubLN's gain so that at lam = 1 it changes its input as little as a gain
+    can: per channel c, g_c = sum(u_c x_c) / sum(u_c^2) over the tokens of `batches`,
+    u = x / rms(x) (least squares; gain 1 would rescale every channel to unit RMS). It
+    runs at lambda 0, ends at 1."""
     norms = [m for m in model.modules() if isinstance(m, SubLN)]
     sums = {m: [0.0, 0.0] for m in norms}
 
@@ -188,22 +207,26 @@ def calibrate_subln(model, batches):
 
 
 def add_lrc(module, rank):
-    """Low-rank correction (LRC): y = BitLinear(x) + U (V^T x), with fp factors U (out, r) and V^T
-    (r, in) acting on the unquantized input. They start as the rank-r truncated SVD of the
-    quantization residual W - gamma * W_q, so the layer starts as close to its fp self as rank r
-    allows. (Both at zero would never move: each one's gradient is proportional to the other.)"""
+    """Low-rank correction (LRC): y = BitLinear(x) + U (V^T x), with fp factors U
+    (out, r) and V^T (r, in) acting on the unquantized input. They start as the rank-r
+    truncated SVD of the quantization residual W - gamma * W_q, so the layer starts as
+    close to its fp self as rank r allows. (Both at zero would never move: each one's
+    gradient is proportional to the other.)"""
     for m in module.modules():
         if isinstance(m, BitLinear):
             w_q, gamma = weight_quant(m.weight)
-            U, S, Vh = torch.linalg.svd(m.weight.detach().float() - gamma * w_q, full_matrices=False)
-            root = S[:rank].sqrt()  # split the singular values evenly between the factors
+            residual = m.weight.detach().float() - gamma * w_q
+            U, S, Vh = torch.linalg.svd(residual, full_matrices=False)
+            # split the singular values evenly between the factors
+            root = S[:rank].sqrt()
             m.lrc_u = nn.Parameter((U[:, :rank] * root).to(m.weight.dtype))
             m.lrc_v = nn.Parameter((root[:, None] * Vh[:rank]).to(m.weight.dtype))
     return module
 
 
 def set_lambda(module, lam):
-    """Set the quantization strength of every BitLinear and SubLN: 0 = fp, 1 = fully ternary."""
+    """Set the quantization strength of every BitLinear and SubLN: 0 = fp, 1 = fully
+    ternary."""
     for m in module.modules():
         if isinstance(m, (BitLinear, SubLN)):
             m.lam.fill_(lam)
@@ -211,9 +234,11 @@ def set_lambda(module, lam):
             m.ternary = lam >= 1
 
 
-# ---------------------------------------------------------------- inference: frozen 2-bit weights
+# ------------------------------------------------------ inference: frozen 2-bit weights
 
-try:  # kernels.py, when it sits beside this file: the layout packed along K and fast int8 kernels
+# kernels.py, when it sits beside this file: the layout packed along K and fast
+# int8 kernels
+try:
     from kernels import pack, ternary_linear, unpack
     has_kernels = True
 except ImportError:  # copied alone: keep the HF layout and unpack in pure torch
@@ -221,10 +246,12 @@ except ImportError:  # copied alone: keep the HF layout and unpack in pure torch
 
 
 def pack_hf(w_q):
-    """(N, K) in {-1, 0, 1} -> uint8 (ceil(N/4), K), transformers' offline layout: code q + 1,
-    row r holding rows r, r+R, r+2R, r+3R (the same as kernels.pack_hf, so this file works alone)."""
+    """(N, K) in {-1, 0, 1} -> uint8 (ceil(N/4), K), transformers' offline layout: code
+    q + 1, row r holding rows r, r+R, r+2R, r+3R (the same as kernels.pack_hf, so this
+    file works alone)."""
     N, R = w_q.shape[0], -(-w_q.shape[0] // 4)
-    c = F.pad(w_q.to(torch.int8) + 1, (0, 0, 0, 4 * R - N), value=1).to(torch.uint8).view(4, R, -1)
+    codes = F.pad(w_q.to(torch.int8) + 1, (0, 0, 0, 4 * R - N), value=1)
+    c = codes.to(torch.uint8).view(4, R, -1)
     return c[0] | c[1] << 2 | c[2] << 4 | c[3] << 6
 
 
@@ -233,10 +260,11 @@ def unpack_hf(packed, N):
 
 
 class PackedBitLinear(nn.Module):
-    """A frozen BitLinear: 2-bit weights and gamma. In memory, kernels.py's layout when that file
-    is there (else the HF one); the state dict is transformers' offline format: `weight` uint8
-    (ceil(out/4), in) in the HF layout, `weight_scale` (1,) = gamma, and `bias / gamma`, as its
-    offline AutoBitLinear scales its output, bias included: (x_q @ W_q^T / s + bias) * gamma."""
+    """A frozen BitLinear: 2-bit weights and gamma. In memory, kernels.py's layout when
+    that file is there (else the HF one); the state dict is transformers' offline
+    format: `weight` uint8 (ceil(out/4), in) in the HF layout, `weight_scale`
+    (1,) = gamma, and `bias / gamma`, as its offline AutoBitLinear scales its output,
+    bias included: (x_q @ W_q^T / s + bias) * gamma."""
 
     def __init__(self, w_q, gamma, bias=None):
         super().__init__()
@@ -253,11 +281,14 @@ class PackedBitLinear(nn.Module):
     def matmul(self, x):
         if has_kernels:
             return ternary_linear(x, self.weight, self.weight_scale)
-        x_q, s = activation_quant(x)  # the same numbers: fp32 sums of integers below 2^24 are exact
-        return (F.linear(x_q, self.w_q().float()) * (self.weight_scale.float() / s)).to(x.dtype)
+        # the same numbers: fp32 sums of integers below 2^24 are exact
+        x_q, s = activation_quant(x)
+        y = F.linear(x_q, self.w_q().float()) * (self.weight_scale.float() / s)
+        return y.to(x.dtype)
 
     def forward(self, x):
-        # through autograd only when x needs a gradient (adapters below it train), not in decoding
+        # through autograd only when x needs a gradient (adapters below it train), not
+        # in decoding
         y = PackedFunction.apply(x, self) if x.requires_grad else self.matmul(x)
         if self.bias is not None:
             y = y + self.bias
@@ -274,7 +305,8 @@ class PackedBitLinear(nn.Module):
 
     def _load_from_state_dict(self, sd, prefix, *args):
         w, b, gamma = (sd.get(prefix + k) for k in ('weight', 'bias', 'weight_scale'))
-        if has_kernels and w is not None and w.shape == (-(-self.out_features // 4), self.in_features):
+        hf_shape = (-(-self.out_features // 4), self.in_features)
+        if has_kernels and w is not None and w.shape == hf_shape:
             sd[prefix + 'weight'] = pack(unpack_hf(w, self.out_features))
         if b is not None and gamma is not None:
             sd[prefix + 'bias'] = b * gamma
@@ -282,10 +314,10 @@ class PackedBitLinear(nn.Module):
 
 
 class PackedFunction(torch.autograd.Function):
-    """A packed layer, differentiable in x for the adapters below it (LoRA): the STE's grad_x =
-    grad_y @ (gamma * W_q), as in BitLinearFunction. W_q is unpacked for one layer's backward and
-    freed at once, so the base is never in fp32 as a whole. (grad_y is not int8, so the int8
-    kernels cannot compute it.)"""
+    """A packed layer, differentiable in x for the adapters below it (LoRA): the STE's
+    grad_x = grad_y @ (gamma * W_q), as in BitLinearFunction. W_q is unpacked for one
+    layer's backward and freed at once, so the base is never in fp32 as a whole. (grad_y
+    is not int8, so the int8 kernels cannot compute it.)"""
 
     @staticmethod
     def forward(ctx, x, layer):
@@ -301,7 +333,8 @@ class PackedFunction(torch.autograd.Function):
 
 @torch.no_grad()
 def freeze(module):
-    """In place: every BitLinear becomes a PackedBitLinear of its W_q and gamma (at any lambda)."""
+    """In place: every BitLinear becomes a PackedBitLinear of its W_q and gamma
+    (at any lambda)."""
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, BitLinear):

@@ -3,10 +3,11 @@ Poor man's configurator, after nanoGPT. Usage:
 
     python train.py config/tiny_fp.py --batch_size=32 --lr=1
 
-Config files are plain Python, exec'd in order over the defaults; then each `--key=value`
-is parsed with `ast.literal_eval` (a bare word stays a string). Every override must name an
-existing setting and keep its type (an int may stand in for a float), so that a typo fails
-at once with a one-line message instead of silently training the wrong thing.
+Config files are plain Python, exec'd in order over the defaults; then each
+`--key=value` is parsed with `ast.literal_eval` (a bare word stays a string). Every
+override must name an existing setting and keep its type (an int may stand in for a
+float), so that a typo fails at once with a one-line message instead of silently
+training the wrong thing.
 """
 import ast
 import difflib
@@ -24,7 +25,9 @@ def _check(config, key, value):
         return value
     if type(default) is float and type(value) is int:
         return float(value)  # --lr=1 means 1.0
-    raise SystemExit(f"error: {key} must be {type(default).__name__}, got {value!r} ({type(value).__name__})")
+    want = type(default).__name__
+    got = type(value).__name__
+    raise SystemExit(f"error: {key} must be {want}, got {value!r} ({got})")
 
 
 def configure(config, args):
@@ -32,13 +35,15 @@ def configure(config, args):
     for arg in args:
         if not arg.startswith('--'):
             if not os.path.isfile(arg):
-                raise SystemExit(f"error: config file {arg!r} not found; config files live in config/")
+                raise SystemExit(f"error: config file {arg!r} not found; "
+                                 f"config files live in config/")
             scope = dict(config)
             with open(arg) as f:
                 exec(f.read(), scope)
             for key, value in scope.items():
+                # imports and helpers a config file may use are not settings
                 if key.startswith('_') or inspect.ismodule(value) or callable(value):
-                    continue  # imports and helpers a config file may use are not settings
+                    continue
                 if key not in config or value is not config[key]:
                     config[key] = _check(config, key, value)
         else:

@@ -1,22 +1,24 @@
 """
-Data: token shards, preparing them from text, jsonl, chats and preferences, the loader and its
-mixtures, and the offline corpus.
+Data: token shards, preparing them from text, jsonl, chats and preferences, the loader
+and its mixtures, and the offline corpus.
 
 Token shards use llm.c's format, so modded-nanogpt's FineWeb shards load as they are: a
 header of 256 int32 (magic 20240520, version, token count), then the tokens. Version 1
-holds uint16 tokens (vocabularies up to 65536); version 2, ours, holds uint32 tokens. A chat
-(SFT) shard `train_000000.bin` has its loss mask beside it in `train_000000.mask`: the same
-header with version 3, then one uint8 per token, 1 where the token is an assistant's. Every
-document starts with the end-of-text token (EOS), as in llm.c, so that in a packed window a
-new document reads "after EOS" the way it would read after a BOS.
+holds uint16 tokens (vocabularies up to 65536); version 2, ours, holds uint32 tokens. A
+chat (SFT) shard `train_000000.bin` has its loss mask beside it in `train_000000.mask`:
+the same header with version 3, then one uint8 per token, 1 where the token is an
+assistant's. Every document starts with the end-of-text token (EOS), as in llm.c, so
+that in a packed window a new document reads "after EOS" the way it would read after a
+BOS.
 
-The loader cuts shards into windows of block_size + 1 tokens and walks them in an order that
-depends only on (seed, epoch): shards shuffled, windows shuffled within each shard, rank r
-of N keeping every N-th window, so the ranks see disjoint data. Its state is that position
-(plus the mixture weights), so a resumed run sees exactly the batches it would have seen.
-Several sources mix by weights; influence-based remixing scores each source by the cosine
-between its gradient and the val gradient (to first order, a step on a source lowers the
-val loss in proportion to their dot product) and moves weight toward the helpful ones.
+The loader cuts shards into windows of block_size + 1 tokens and walks them in an order
+that depends only on (seed, epoch): shards shuffled, windows shuffled within each shard,
+rank r of N keeping every N-th window, so the ranks see disjoint data. Its state is that
+position (plus the mixture weights), so a resumed run sees exactly the batches it would
+have seen. Several sources mix by weights; influence-based remixing scores each source
+by the cosine between its gradient and the val gradient (to first order, a step on a
+source lowers the val loss in proportion to their dot product) and moves weight toward
+the helpful ones.
 
 The offline default corpus is the text of the Python standard library's documentation
 (`pydoc_data.topics`, about 465 KB of English with code), which ships with every Python,
@@ -33,19 +35,19 @@ from collections import deque
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from hub import Progress, fetch, local_rank, wait_for
 from tokenizer import chat_template, chat_turns, eos_id, get_tokenizer, render_chat
 
-IGNORE = -100  # a target that does not count: F.cross_entropy's ignore_index, as in objectives.py
+IGNORE = -100  # a target that does not count: F.cross_entropy's ignore_index
 
 
 # -----------------------------------------------------------------------------
 # token shards
 
 MAGIC, HEADER = 20240520, 256
-DTYPES = {1: np.uint16, 2: np.uint32, 3: np.uint8}  # llm.c's tokens, tokens >= 65536, a loss mask
+# by version: llm.c's tokens, tokens >= 65536, a loss mask
+DTYPES = {1: np.uint16, 2: np.uint32, 3: np.uint8}
 
 
 def write_shard(path, values, version):
@@ -58,18 +60,22 @@ def write_shard(path, values, version):
 
 
 def read_shard(path):
-    """A shard's tokens (or mask) as a read-only memmap: nothing is read until it is used."""
+    """A shard's tokens (or mask) as a read-only memmap: nothing is read until it is
+    used."""
     header = np.fromfile(path, np.int32, HEADER)
     if len(header) < 3 or header[0] != MAGIC or header[1] not in DTYPES:
-        raise ValueError(f"{path} is not a token shard (llm.c format: magic {MAGIC}, version 1-3); prepare it with data.prepare")
+        raise ValueError(f"{path} is not a token shard (llm.c format: magic {MAGIC}, "
+                         f"version 1-3); prepare it with data.prepare")
     dtype, n = DTYPES[int(header[1])], int(header[2])
     if os.path.getsize(path) != 4 * HEADER + n * np.dtype(dtype).itemsize:
-        raise ValueError(f"{path} does not hold the {n} tokens its header announces; download or prepare it again")
+        raise ValueError(f"{path} does not hold the {n} tokens its header announces; "
+                         f"download or prepare it again")
     return np.memmap(path, dtype, 'r', offset=4 * HEADER, shape=(n,))
 
 
 def shard_paths(folder, split):
-    """A split's shards: ours (train_000000.bin) or llm.c's (fineweb_train_000001.bin)."""
+    """A split's shards: ours (train_000000.bin) or llm.c's
+    (fineweb_train_000001.bin)."""
     return sorted(glob.glob(os.path.join(folder, f'*{split}_*.bin')))
 
 
@@ -77,8 +83,9 @@ def shard_paths(folder, split):
 # preparing text, jsonl and chat jsonl into shards
 
 UNIT = 1 << 18  # characters of text per work unit sent to a tokenizing process
-# where a long text may be cut, since every pre-tokenizer in tokenizer.py cuts there too: a
-# newline between a non-space and a letter (after a space, "  \n" would split as "  " + "\n")
+# where a long text may be cut, since every pre-tokenizer in tokenizer.py cuts there too:
+# a newline between a non-space and a letter (after a space, "  \n" would split as
+# "  " + "\n")
 CUT = re.compile(r'(?<=\S)\n(?=[A-Za-z])')
 
 
@@ -89,7 +96,8 @@ def _start_worker(tokenizer, fmt, field):
 
 
 def _tokenize(unit):
-    """In a worker: (split, [(starts a document, text or jsonl line)]) -> tokens (and mask)."""
+    """In a worker: (split, [(starts a document, text or jsonl line)]) -> tokens (and
+    mask)."""
     split, items = unit
     enc, fmt, field, eos, template = _job
     parts, masks = [], []
@@ -101,16 +109,23 @@ def _tokenize(unit):
             continue
         row = json.loads(raw) if fmt == 'jsonl' else {field: raw}
         if field not in row:
-            raise ValueError(f"a jsonl line has no field {field!r} ({sorted(row)}); set text_field")
+            raise ValueError(f"a jsonl line has no field {field!r} ({sorted(row)}); "
+                             f"set text_field")
         # encode_to_numpy skips building a Python list; disallowed_special=() reads any
         # special token's text in a document as ordinary text, like encode_ordinary
-        parts += [np.array([eos] * new, np.uint32), enc.encode_to_numpy(row[field], disallowed_special=())]
-    tokens = np.concatenate(parts).astype(np.uint16 if enc.n_vocab <= 1 << 16 else np.uint32)
-    return split, sum(len(r) for _, r in items), tokens, np.concatenate(masks) if masks else None
+        doc_start = np.array([eos] * new, np.uint32)
+        ids = enc.encode_to_numpy(row[field], disallowed_special=())
+        parts += [doc_start, ids]
+    dtype = np.uint16 if enc.n_vocab <= 1 << 16 else np.uint32
+    tokens = np.concatenate(parts).astype(dtype)
+    chars = sum(len(r) for _, r in items)
+    mask = np.concatenate(masks) if masks else None
+    return split, chars, tokens, mask
 
 
 def _documents(path, fmt):
-    """A file's documents: jsonl lines, or text between <|endoftext|> markers (TinyStories)."""
+    """A file's documents: jsonl lines, or text between <|endoftext|> markers
+    (TinyStories)."""
     with open(path, encoding='utf-8') as f:
         if fmt != 'text':
             yield from (line for line in f if line.strip())
@@ -124,15 +139,18 @@ def _documents(path, fmt):
 
 
 def _units(files, val_files, val_every, fmt, unit):
-    """Work units of about `unit` characters. Without val files every val_every-th document goes
-    to val. A long text is cut into pieces at CUT, so that its tokens are those of the whole."""
+    """Work units of about `unit` characters. Without val files every val_every-th
+    document goes to val. A long text is cut into pieces at CUT, so that its tokens are
+    those of the whole."""
     buffers, sizes, n = {'train': [], 'val': []}, {'train': 0, 'val': 0}, 0
     for split, path in [('train', p) for p in files] + [('val', p) for p in val_files]:
         for doc in _documents(path, fmt):
             n += 1
-            s = 'val' if split == 'val' or (not val_files and n % val_every == 0) else 'train'
+            to_val = split == 'val' or (not val_files and n % val_every == 0)
+            s = 'val' if to_val else 'train'
             pos = 0
-            while fmt == 'text' and len(doc) - pos > unit and (cut := CUT.search(doc, pos + unit)):
+            while (fmt == 'text' and len(doc) - pos > unit
+                   and (cut := CUT.search(doc, pos + unit))):
                 buffers[s].append((pos == 0, doc[pos:cut.end()]))
                 pos = cut.end()
             buffers[s].append((pos == 0, doc[pos:]))
@@ -147,7 +165,13 @@ class _Writer:
     """Tokens (and masks) appended in order, written out as shards of `size` tokens."""
 
     def __init__(self, folder, split, size):
-        self.folder, self.split, self.size, self.parts, self.masks, self.n, self.shards = folder, split, size, [], [], 0, 0
+        self.folder = folder
+        self.split = split
+        self.size = size
+        self.parts = []
+        self.masks = []
+        self.n = 0
+        self.shards = 0
 
     def add(self, tokens, mask):
         self.parts.append(tokens)
@@ -169,31 +193,42 @@ class _Writer:
 
 def prepare(files, folder, tokenizer='bytes', fmt='text', val_files=(), val_every=100,
             text_field='text', shard_tokens=10 ** 8, workers=None, unit=UNIT):
-    """Tokenize `files` into shards folder/train_*.bin and val_*.bin (and *.mask for chats) on
-    `workers` processes. fmt 'text': documents separated by <|endoftext|>; 'jsonl': one
-    document per line, in text_field; 'chat': one conversation per line (messages, ShareGPT
-    conversations, or prompt/response), with loss masks. The val split is val_files, or
-    else every val_every-th document. Work goes to the processes in units of `unit` characters.
-    Returns the token count of each split."""
+    """Tokenize `files` into shards folder/train_*.bin and val_*.bin (and *.mask for
+    chats) on `workers` processes. fmt 'text': documents separated by <|endoftext|>;
+    'jsonl': one document per line, in text_field; 'chat': one conversation per line
+    (messages, ShareGPT conversations, or prompt/response), with loss masks. The val
+    split is val_files, or else every val_every-th document. Work goes to the processes
+    in units of `unit` characters. Returns the token count of each split."""
     if fmt not in ('text', 'jsonl', 'chat'):
-        raise ValueError(f"data format {fmt!r} unknown; use 'text', 'jsonl' or 'chat' (or 'tokens' for ready shards)")
-    if shard_paths(folder, 'train') or shard_paths(folder, 'val'):  # old and new would mix
-        raise FileExistsError(f"{folder} already holds token shards; delete them or use another")
+        raise ValueError(f"data format {fmt!r} unknown; use 'text', 'jsonl' or 'chat' "
+                         f"(or 'tokens' for ready shards)")
+    # old and new would mix
+    if shard_paths(folder, 'train') or shard_paths(folder, 'val'):
+        raise FileExistsError(f"{folder} already holds token shards; "
+                              f"delete them or use another")
     os.makedirs(folder, exist_ok=True)
     writers = {s: _Writer(folder, s, shard_tokens) for s in ('train', 'val')}
-    t0, chars, jobs, workers = time.time(), 0, deque(), workers or os.cpu_count()
-    show = Progress(f"prepare {folder}", sum(os.path.getsize(f) for f in [*files, *val_files]))
+    t0 = time.time()
+    chars = 0
+    jobs = deque()
+    workers = workers or os.cpu_count()
+    size = sum(os.path.getsize(f) for f in [*files, *val_files])
+    show = Progress(f"prepare {folder}", size)
     # fork, not spawn: spawn would re-run the calling script (train.py has no main guard)
-    with mp.get_context('fork').Pool(workers, _start_worker, (tokenizer, fmt, text_field)) as pool:
-        for work in itertools.chain(_units(files, val_files, val_every, fmt, unit), [None]):
-            if work:  # keep a few units in flight: the workers stay busy and memory stays bounded
+    ctx = mp.get_context('fork')
+    with ctx.Pool(workers, _start_worker, (tokenizer, fmt, text_field)) as pool:
+        units = _units(files, val_files, val_every, fmt, unit)
+        # keep a few units in flight: the workers stay busy and memory stays bounded
+        for work in itertools.chain(units, [None]):
+            if work:
                 jobs.append(pool.apply_async(_tokenize, (work,)))
             while jobs and (len(jobs) > 2 * workers or work is None):
                 split, n, tokens, mask = jobs.popleft().get()
                 writers[split].add(tokens, mask)
                 chars += n
-                show(chars, ' of text, ' + ', '.join(f"{w.shards * shard_tokens + w.n:,} {s}" for s, w in writers.items())
-                     + ' tokens')
+                done = ', '.join(f"{w.shards * shard_tokens + w.n:,} {s}"
+                                 for s, w in writers.items())
+                show(chars, ' of text, ' + done + ' tokens')
     show(chars, last=True)
     counts = {}
     for split, w in writers.items():
@@ -201,28 +236,36 @@ def prepare(files, folder, tokenizer='bytes', fmt='text', val_files=(), val_ever
         if w.n:
             w.write(w.n)
         if not counts[split]:
-            raise ValueError(f"no {split} documents in {files + list(val_files)}; give val files or lower val_every")
-    print(f"prepared {folder}: {counts['train']:,} train and {counts['val']:,} val tokens in {time.time() - t0:.0f}s")
+            raise ValueError(f"no {split} documents in {files + list(val_files)}; "
+                             f"give val files or lower val_every")
+    print(f"prepared {folder}: {counts['train']:,} train and {counts['val']:,} val "
+          f"tokens in {time.time() - t0:.0f}s")
     return counts
 
 
-def setup_data(folder, files=None, tokenizer='bytes', fmt='text', text_field='text', wait=6 * 3600):
-    """Make sure folder holds token shards, once: files = {'train': [...], 'val': [...]} (val
-    optional; paths, URLs or hf:// names) downloaded as they are (fmt 'tokens': llm.c shards)
-    or downloaded and prepared. Local rank 0 works; the other ranks wait for its marker,
-    which records the tokenizer, so shards are never read with another one."""
+def setup_data(folder, files=None, tokenizer='bytes', fmt='text', text_field='text',
+               wait=6 * 3600):
+    """Make sure folder holds token shards, once: files = {'train': [...], 'val': [...]}
+    (val optional; paths, URLs or hf:// names) downloaded as they are (fmt 'tokens':
+    llm.c shards) or downloaded and prepared. Local rank 0 works; the other ranks wait
+    for its marker, which records the tokenizer, so shards are never read with another
+    one."""
     marker = os.path.join(folder, 'prepared.json')
     if files and not os.path.exists(marker):
         if local_rank() != 0:
             wait_for(marker, f"prepare {folder}", wait)
         else:
-            listed = {s: [v] if isinstance(v, str) else list(v) for s, v in files.items()}
+            listed = {s: [v] if isinstance(v, str) else list(v)
+                      for s, v in files.items()}
             train, val = listed.get('train', []), listed.get('val', [])
             if fmt == 'tokens':
                 for src in train + val:
                     fetch(src, folder)
             else:
-                prepare([fetch(s) for s in train], folder, tokenizer, fmt, [fetch(s) for s in val], text_field=text_field)
+                train_files = [fetch(s) for s in train]
+                val_files = [fetch(s) for s in val]
+                prepare(train_files, folder, tokenizer, fmt, val_files,
+                        text_field=text_field)
             with open(marker + '.tmp', 'w') as f:
                 json.dump({'tokenizer': tokenizer, 'format': fmt, 'files': files}, f)
             os.replace(marker + '.tmp', marker)
@@ -230,9 +273,12 @@ def setup_data(folder, files=None, tokenizer='bytes', fmt='text', text_field='te
         with open(marker) as f:
             made = json.load(f)['tokenizer']
         if made != tokenizer:
-            raise ValueError(f"{folder} holds tokens of tokenizer {made!r}, not {tokenizer!r}; set tokenizer={made!r} or use another folder")
+            raise ValueError(f"{folder} holds tokens of tokenizer {made!r}, "
+                             f"not {tokenizer!r}; set tokenizer={made!r} "
+                             f"or use another folder")
     if not shard_paths(folder, 'train'):
-        raise FileNotFoundError(f"no token shards (*train_*.bin) in {folder!r}; set data_files to download and prepare them")
+        raise FileNotFoundError(f"no token shards (*train_*.bin) in {folder!r}; "
+                                f"set data_files to download and prepare them")
     return folder
 
 
@@ -246,68 +292,97 @@ class _Stream:
     def __init__(self, folder, split, T, rank, world_size, seed):
         self.paths = shard_paths(folder, split)
         if not self.paths:
-            raise FileNotFoundError(f"no {split} shards (*{split}_*.bin) in {folder!r}; prepare the data first (data.setup_data)")
+            raise FileNotFoundError(f"no {split} shards (*{split}_*.bin) in {folder!r}; "
+                                    f"prepare the data first (data.setup_data)")
         if all((len(read_shard(p)) - 1) // T <= rank for p in self.paths):
-            raise ValueError(f"{folder}: the {split} shards are too short for block_size={T} on {world_size} ranks")
-        self.T, self.rank, self.world, self.seed = T, rank, world_size, seed
-        self.pos, self.cache = [0, 0, 0], None  # epoch, shard, window; the shard being read
+            raise ValueError(f"{folder}: the {split} shards are too short for "
+                             f"block_size={T} on {world_size} ranks")
+        self.T = T
+        self.rank = rank
+        self.world = world_size
+        self.seed = seed
+        self.pos = [0, 0, 0]  # epoch, shard, window
+        self.cache = None  # the shard being read
 
     def _shard(self):
         epoch, shard, _ = self.pos
         if self.cache is None or self.cache[0] != (epoch, shard):
-            k = np.random.default_rng([self.seed, epoch]).permutation(len(self.paths))[shard]
-            tokens, mask = read_shard(self.paths[k]), self.paths[k][:-4] + '.mask'
-            windows = np.random.default_rng([self.seed, epoch, k]).permutation((len(tokens) - 1) // self.T)
-            self.cache = (epoch, shard), tokens, read_shard(mask) if os.path.exists(mask) else None, windows[self.rank::self.world] * self.T
+            rng = np.random.default_rng([self.seed, epoch])
+            k = rng.permutation(len(self.paths))[shard]
+            path = self.paths[k]
+            tokens = read_shard(path)
+            rng = np.random.default_rng([self.seed, epoch, k])
+            windows = rng.permutation((len(tokens) - 1) // self.T)
+            mask_path = path[:-4] + '.mask'
+            mask = read_shard(mask_path) if os.path.exists(mask_path) else None
+            starts = windows[self.rank::self.world] * self.T
+            self.cache = (epoch, shard), tokens, mask, starts
         return self.cache[1:]
 
     def take(self):
-        """The next window of tokens and its loss mask (None when the source has none)."""
+        """The next window of tokens and its loss mask (None when the source has
+        none)."""
         while True:
             tokens, mask, starts = self._shard()
             epoch, shard, i = self.pos
             if i < len(starts):
                 self.pos[2], s = i + 1, starts[i]
-                return tokens[s:s + self.T + 1], None if mask is None else mask[s:s + self.T + 1]
-            self.pos = [epoch + (shard + 1 == len(self.paths)), (shard + 1) % len(self.paths), 0]
+                end = s + self.T + 1
+                return tokens[s:end], None if mask is None else mask[s:end]
+            last = shard + 1 == len(self.paths)
+            self.pos = [epoch + last, (shard + 1) % len(self.paths), 0]
 
 
 class Loader:
-    """Batches from one folder of shards, or from a mixture {name: (folder, weight)}; each row
-    comes from a source drawn with the current weights. A batch is a dict: x, y (y = IGNORE
-    where a loss mask says the target does not count) and `source` (B,). Documents are packed:
-    attention crosses EOS, and the model learns that what follows EOS is a new document."""
+    """Batches from one folder of shards, or from a mixture {name: (folder, weight)};
+    each row comes from a source drawn with the current weights. A batch is a dict: x, y
+    (y = IGNORE where a loss mask says the target does not count) and `source` (B,).
+    Documents are packed: attention crosses EOS, and the model learns that what follows
+    EOS is a new document."""
 
-    def __init__(self, sources, batch_size, block_size, split='train', rank=0, world_size=1, seed=0):
+    def __init__(self, sources, batch_size, block_size, split='train', rank=0,
+                 world_size=1, seed=0):
         sources = {'data': (sources, 1.0)} if isinstance(sources, str) else sources
         self.names = list(sources)
-        self.streams = [_Stream(folder, split, block_size, rank, world_size, seed) for folder, _ in sources.values()]
-        self.weights = np.array([w for _, w in sources.values()], float) / sum(w for _, w in sources.values())
-        self.B, self.T, self.rank, self.seed, self.count = batch_size, block_size, rank, seed, 0
+        self.streams = [_Stream(folder, split, block_size, rank, world_size, seed)
+                        for folder, _ in sources.values()]
+        weights = np.array([w for _, w in sources.values()], float)
+        self.weights = weights / sum(w for _, w in sources.values())
+        self.B = batch_size
+        self.T = block_size
+        self.rank = rank
+        self.seed = seed
+        self.count = 0
 
     def _batch(self, picks):
         rows = [self.streams[k].take() for k in picks]
         xy = torch.from_numpy(np.stack([t for t, _ in rows]).astype(np.int64))
-        counted = torch.from_numpy(np.stack([np.ones(self.T + 1, bool) if m is None else m.astype(bool) for _, m in rows]))
+        masks = [np.ones(self.T + 1, bool) if m is None else m.astype(bool)
+                 for _, m in rows]
+        counted = torch.from_numpy(np.stack(masks))
         x, y = xy[:, :-1], xy[:, 1:].masked_fill(~counted[:, 1:], IGNORE)  # (B, T) each
         return {'x': x, 'y': y, 'source': torch.tensor(picks)}
 
     def next_batch(self):
-        rng = np.random.default_rng([self.seed, self.rank, self.count])  # so no RNG state to save
+        # seeded by the batch count, so there is no RNG state to save
+        rng = np.random.default_rng([self.seed, self.rank, self.count])
         self.count += 1
-        return self._batch(rng.choice(len(self.streams), self.B, p=self.weights).tolist())
+        picks = rng.choice(len(self.streams), self.B, p=self.weights).tolist()
+        return self._batch(picks)
 
     def source_batches(self):
-        """One batch of each source alone, to score the sources (objectives.source_scores)."""
+        """One batch of each source alone, to score the sources
+        (objectives.source_scores)."""
         return {name: self._batch([k] * self.B) for k, name in enumerate(self.names)}
 
     def reweight(self, scores, eta=1.0, floor=0.05):
-        """Multiplicative weights: w_i <- w_i * exp(eta * score_i), normalised; a source that
-        falls below `floor` is lifted to it, at the others' expense. The next batch is drawn
-        with the new weights. Returns them by name, to log."""
+        """Multiplicative weights: w_i <- w_i * exp(eta * score_i), normalised; a source
+        that falls below `floor` is lifted to it, at the others' expense. The next batch
+        is drawn with the new weights. Returns them by name, to log."""
         k = len(self.names)
         if floor * k >= 1:
-            raise ValueError(f"remix floor {floor} leaves nothing to reweight among {k} sources; use less than {1 / k:.3f}")
+            raise ValueError(f"remix floor {floor} leaves nothing to reweight among {k} "
+                             f"sources; use less than {1 / k:.3f}")
         w = self.weights * np.exp(eta * np.array([scores[n] for n in self.names]))
         w, low = w / w.sum(), np.zeros(k, bool)
         while (new := ~low & (w < floor)).any():
@@ -317,7 +392,8 @@ class Loader:
         return dict(zip(self.names, w.tolist()))
 
     def state_dict(self):
-        return {'count': self.count, 'weights': self.weights.tolist(), 'pos': [list(s.pos) for s in self.streams]}
+        return {'count': self.count, 'weights': self.weights.tolist(),
+                'pos': [list(s.pos) for s in self.streams]}
 
     def load_state_dict(self, state):
         self.count, self.weights = state['count'], np.array(state['weights'])
@@ -329,7 +405,8 @@ class Loader:
 # the offline corpus
 
 def offline_corpus(enc, val_fraction=0.1):
-    """The pydoc topics, each followed by end-of-text, as (train, val) uint16/32 token arrays."""
+    """The pydoc topics, each followed by end-of-text, as (train, val) uint16/32 token
+    arrays."""
     from pydoc_data.topics import topics
     tokens = []
     for key in sorted(topics):
@@ -340,27 +417,94 @@ def offline_corpus(enc, val_fraction=0.1):
 
 
 def get_batch(data, batch_size, block_size, generator):
-    """batch_size random windows of block_size + 1 tokens: inputs x and next-token targets y."""
-    ix = torch.randint(len(data) - block_size - 1, (batch_size,), generator=generator).tolist()
-    xy = torch.from_numpy(np.stack([data[i:i + block_size + 1] for i in ix]).astype(np.int64))
+    """batch_size random windows of block_size + 1 tokens: inputs x and next-token
+    targets y."""
+    high = len(data) - block_size - 1
+    ix = torch.randint(high, (batch_size,), generator=generator).tolist()
+    windows = np.stack([data[i:i + block_size + 1] for i in ix])
+    xy = torch.from_numpy(windows.astype(np.int64))
     return xy[:, :-1], xy[:, 1:]  # (B, T) each
+
+
+class Batches:
+    """What each rank trains on at each step, the same on any number of ranks and after
+    a resume. A step's global batch is cut into micro-batches; rank r of N takes number
+    index = micro * N + r. From the offline corpus (token arrays): random windows drawn
+    by a generator seeded by (seed, step, index), so there is no state to keep. From
+    token shards (a folder, or a mixture {name: (folder, weight)}): a Loader, whose place
+    checkpoints keep. DPO's preference pairs are drawn by the same generator."""
+
+    def __init__(self, train, val, batch_size, block_size, rank=0, world_size=1, seed=0,
+                 pairs=None, device='cpu'):
+        self.train, self.val = train, val
+        self.B, self.T = batch_size, block_size
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.pairs, self.device = pairs, device
+        self.loader = None
+        if isinstance(train, (str, dict)):
+            self.loader = self.new_loader()
+
+    def new_loader(self):
+        """A loader of the training shards at the start of its order."""
+        return Loader(self.train, self.B, self.T, 'train', self.rank, self.world_size,
+                      self.seed)
+
+    def get(self, step, micro, data=None):
+        """This rank's micro-batch `micro` of optimizer step `step`: {'x', 'y'} on the
+        device (and DPO's 'pairs'); `data` another token array to draw from."""
+        index = micro * self.world_size + self.rank
+        seed = (self.seed * 1_000_003 + step) * 65_537 + index
+        rng = torch.Generator().manual_seed(seed)
+        if data is None and self.loader:
+            b = self.loader.next_batch()
+        else:
+            source = self.train if data is None else data
+            x, y = get_batch(source, self.B, self.T, rng)
+            b = {'x': x, 'y': y}
+        b = {k: b[k].to(self.device, non_blocking=True) for k in 'xy'}
+        if self.pairs:
+            i = torch.randint(len(self.pairs[0]), (self.B,), generator=rng)
+            b['pairs'] = tuple(t[i].to(self.device) for t in self.pairs)
+        return b
+
+    def calibration(self, n):
+        """The inputs of n training batches to calibrate SubLN on; the run's stay put."""
+        if not self.loader:
+            return [self.get(0, i)['x'] for i in range(n)]
+        loader = self.new_loader()
+        return [loader.next_batch()['x'].to(self.device) for _ in range(n)]
+
+    def val_batches(self, n):
+        """The same n val batches at every evaluation."""
+        if not self.loader:
+            return [self.get(-1, i, self.val) for i in range(n)]
+        val = Loader(self.val, self.B, self.T, 'val', self.rank, self.world_size,
+                     self.seed)
+        batches = []
+        for _ in range(n):
+            b = val.next_batch()
+            batches.append({'x': b['x'].to(self.device), 'y': b['y'].to(self.device)})
+        return batches
 
 
 # -----------------------------------------------------------------------------
 # preference pairs (DPO)
 
 def preference_pairs(path, enc, block_size, eos):
-    """A jsonl of {"prompt", "chosen", "rejected"} as DPO's pairs: four (N, block_size) tensors
-    x_w, y_w, x_l, y_l. Each sequence starts with eos (as every document does) and the prompt, and
-    the answer follows, ending with eos; the targets of the prompt and of the padding are IGNORE."""
+    """A jsonl of {"prompt", "chosen", "rejected"} as DPO's pairs: four (N, block_size)
+    tensors x_w, y_w, x_l, y_l. Each sequence starts with eos (as every document does)
+    and the prompt, and the answer follows, ending with eos; the targets of the prompt
+    and of the padding are IGNORE."""
     rows = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
             ex = json.loads(line)
             prompt = [eos] + enc.encode_ordinary(ex['prompt'])
             if len(prompt) >= block_size:
-                raise ValueError(f"{path} line {n}: a prompt of {len(prompt)} tokens leaves no room for an answer "
-                                 f"in block_size={block_size}; shorten it or raise block_size")
+                raise ValueError(f"{path} line {n}: a prompt of {len(prompt)} tokens "
+                                 f"leaves no room for an answer "
+                                 f"in block_size={block_size}; "
+                                 f"shorten it or raise block_size")
             for answer in (ex['chosen'], ex['rejected']):
                 ids = (prompt + enc.encode_ordinary(answer) + [eos])[:block_size + 1]
                 x, y = torch.full((block_size,), eos), torch.full((block_size,), IGNORE)
@@ -369,23 +513,3 @@ def preference_pairs(path, enc, block_size, eos):
                 rows.append((x, y))
     x, y = torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
     return x[0::2], y[0::2], x[1::2], y[1::2]
-
-
-def source_scores(model, loss_fn, batches, val_batches):
-    """Influence-based remixing's score of each source: the cosine between the gradient of
-    the loss on its batch and the gradient of the val loss. loss_fn(model, batch) returns a
-    scalar; batches is {name: batch} (Loader.source_batches()), val_batches a list. The
-    model's gradients are cleared after, so call it between optimizer steps. Under DDP pass
-    the wrapped model: its gradients, hence the scores and the weights, agree on every rank."""
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def grad(bs):
-        model.zero_grad(set_to_none=True)
-        for b in bs:
-            loss_fn(model, b).backward()
-        return torch.cat([torch.zeros(p.numel(), device=p.device) if p.grad is None else p.grad.flatten().float() for p in params])
-
-    g_val = grad(val_batches)
-    scores = {name: F.cosine_similarity(grad([b]), g_val, dim=0).item() for name, b in batches.items()}
-    model.zero_grad(set_to_none=True)
-    return scores

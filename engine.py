@@ -1,18 +1,19 @@
 """
 Inference: sampling with a KV cache, and a fused model for fast decode.
 
-Generating a token runs the model on one new position. Its keys and values are all that the
-next positions need from it, so each block keeps them in a cache of shape (2, B, n_kv_head,
-T_max, head_dim): the prompt is run once (prefill), then each step runs one position and
-attends over the cache (decode). model.Transformer.forward takes the cache and the position.
+Generating a token runs the model on one new position. Its keys and values are all that
+the next positions need from it, so each block keeps them in a cache of shape
+(2, B, n_kv_head, T_max, head_dim): the prompt is run once (prefill), then each step
+runs one position and attends over the cache (decode). model.Transformer.forward takes
+the cache and the position.
 
-Decode at batch 1 reads every weight once per token, so its speed is the speed at which weights
-stream from memory. A frozen ternary model (bitlinear.freeze) reads 2-bit weights; `fuse` then
-removes what is left around them: q/k/v (and gate/up) read the same input, so each group
-becomes one packed matrix (one activation quantization and one kernel call, every row keeping
-its gamma: the same numbers), and the fp head, most of the bytes a small model reads per
-token, gets int8 rows (kernels.pack_int8, 4x fewer bytes than fp32; its held-out cost is in
-docs/llama_cpp.md).
+Decode at batch 1 reads every weight once per token, so its speed is the speed at which
+weights stream from memory. A frozen ternary model (bitlinear.freeze) reads 2-bit
+weights; `fuse` then removes what is left around them: q/k/v (and gate/up) read the same
+input, so each group becomes one packed matrix (one activation quantization and one
+kernel call, every row keeping its gamma: the same numbers), and the fp head, most of
+the bytes a small model reads per token, gets int8 rows (kernels.pack_int8, 4x fewer
+bytes than fp32; its held-out cost is in docs/llama_cpp.md).
 """
 import functools
 
@@ -24,16 +25,19 @@ from kernels import pack_int8, ternary_linear
 
 
 @torch.no_grad()
-def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, eos_id=None, vocab=None):
-    """Sample continuations of idx (B, T): the prompt once, then one position per new token
-    (greedy at temperature 0, else from the softmax at `temperature`, cut to the top_k logits).
-    Stops early when every row produced eos_id. `vocab` leaves out an embedding's padding rows
-    beyond the tokenizer's. Returns idx with the new tokens appended."""
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, eos_id=None,
+             vocab=None):
+    """Sample continuations of idx (B, T): the prompt once, then one position per new
+    token (greedy at temperature 0, else from the softmax at `temperature`, cut to the
+    top_k logits). Stops early when every row produced eos_id. `vocab` leaves out an
+    embedding's padding rows beyond the tokenizer's.
+    Returns idx with the new tokens appended."""
     cfg = model.config
     B, T = idx.shape
     p = next(model.parameters())
     shape = (2, B, cfg.n_kv_head, T + max_new_tokens, cfg.head_dim)  # K and V
-    cache = [torch.empty(shape, device=p.device, dtype=p.dtype) for _ in range(cfg.n_layer)]
+    cache = [torch.empty(shape, device=p.device, dtype=p.dtype)
+             for _ in range(cfg.n_layer)]
     logits = model(idx, cache, 0)
     for _ in range(max_new_tokens):
         logits = logits[:, -1, :vocab].float()
@@ -54,10 +58,12 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, eos_id=Non
 
 
 def complete(model, enc, prompts, n, temperature=0.0, top_k=None):
-    """The text that follows each prompt (up to n tokens, fewer where the context ends)."""
+    """The text that follows each prompt (up to n tokens,
+    fewer where the context ends)."""
     texts = []
     for prompt in prompts:
-        x = torch.tensor([enc.encode_ordinary(prompt)], device=next(model.parameters()).device)
+        device = next(model.parameters()).device
+        x = torch.tensor([enc.encode_ordinary(prompt)], device=device)
         room = min(n, model.config.max_seq_len - x.size(1))
         y = generate(model, x, room, temperature, top_k, vocab=enc.n_vocab)
         texts.append(enc.decode(y[0, x.size(1):].tolist()))
@@ -65,23 +71,25 @@ def complete(model, enc, prompts, n, temperature=0.0, top_k=None):
 
 
 def fused_call(w, gamma, rows):
-    """One kernel call for a group of matrices packed as one; the outputs split per matrix."""
+    """One kernel call for a group of matrices packed as one;
+    the outputs split per matrix."""
     return lambda x: ternary_linear(x, w, gamma).split(rows, -1)
 
 
 @torch.no_grad()
 def fuse(model):
-    """Faster decode, after freeze(), for inference only. Each group of packed matrices that
-    reads one input (q/k/v, gate/up) becomes one matrix with a gamma per row; the head gets int8
-    rows. Checkpoints do not change: fused matrices are views of the same bytes, the int8 head a
-    copy. Layers wrapped by LoRA adapters are left as they are."""
+    """Faster decode, after freeze(), for inference only. Each group of packed matrices
+    that reads one input (q/k/v, gate/up) becomes one matrix with a gamma per row; the
+    head gets int8 rows. Checkpoints do not change: fused matrices are views of the same
+    bytes, the int8 head a copy. Layers wrapped by LoRA adapters are left as they are."""
     groups = []
     for block in model.layers:
         groups.append((block.self_attn, ('q_proj', 'k_proj', 'v_proj')))
         groups.append((block.mlp, ('gate_proj', 'up_proj')))
     for module, names in groups:
         parts = [getattr(module, n) for n in names]
-        plain = [type(p) is PackedBitLinear and p.bias is None and p.lrc_u is None for p in parts]
+        plain = [type(p) is PackedBitLinear and p.bias is None and p.lrc_u is None
+                 for p in parts]
         if not all(plain):
             continue
         w = torch.cat([p.weight for p in parts])
@@ -96,8 +104,8 @@ def fuse(model):
 
 
 def weight_bytes(model):
-    """The bytes of what a forward reads: parameters, packed weights and their scales, and the
-    int8 head of fuse()."""
+    """The bytes of what a forward reads: parameters, packed weights and their scales,
+    and the int8 head of fuse()."""
     weights = dict(model.named_parameters())
     for name, b in model.named_buffers():
         if name.endswith(('weight', 'weight_scale')):

@@ -1,22 +1,24 @@
 """
-GGUF for llama.cpp: a model's state dict as one file that llama.cpp runs. (Not named gguf.py:
-that would shadow the `gguf` package of llama.cpp, which transformers' GGUF loader imports.)
+GGUF for llama.cpp: a model's state dict as one file that llama.cpp runs. (Not named
+gguf.py: that would shadow the `gguf` package of llama.cpp, which transformers' GGUF
+loader imports.)
 
-A GGUF file is a header of typed key-values (the architecture's hyperparameters, the tokenizer),
-a table of tensors (name, shape, ggml type, offset), then the tensors' bytes, each aligned to 32
-(llama.cpp's ggml/src/gguf.cpp reads it). A ternary model goes in llama.cpp's `bitnet`
-architecture, an fp one in `llama`.
+A GGUF file is a header of typed key-values (the architecture's hyperparameters, the
+tokenizer), a table of tensors (name, shape, ggml type, offset), then the tensors'
+bytes, each aligned to 32 (llama.cpp's ggml/src/gguf.cpp reads it). A ternary model goes
+in llama.cpp's `bitnet` architecture, an fp one in `llama`.
 
-Ternary matrices are stored exactly. GGUF stores a matrix row by row in blocks (ggml-quants.c
-in llama.cpp; TQ1_0 and TQ2_0 by compilade, 2024): TQ2_0 and TQ1_0 hold 256 ternary codes and
-one fp16 scale d each, so d = gamma makes them exact; Q8_0 holds 32 int8 codes and d, exact for
-codes in {-1, 0, 1} too, the fallback for rows whose length is not a multiple of 256; F16 (no
-blocks) for rows not a multiple of 32, where +-gamma in fp16 is exact as well.
+Ternary matrices are stored exactly. GGUF stores a matrix row by row in blocks
+(ggml-quants.c in llama.cpp; TQ1_0 and TQ2_0 by compilade, 2024): TQ2_0 and TQ1_0 hold
+256 ternary codes and one fp16 scale d each, so d = gamma makes them exact; Q8_0 holds
+32 int8 codes and d, exact for codes in {-1, 0, 1} too, the fallback for rows whose
+length is not a multiple of 256; F16 (no blocks) for rows not a multiple of 32, where
++-gamma in fp16 is exact as well.
 
-The tokenizer goes in as llama.cpp's 'gpt2' BPE keys (`gguf_vocab`), and LoRA adapters on a
-ternary base as llama.cpp's separate adapter file (`save_lora_gguf`). This file works from a
-state dict and a config: it needs bitlinear.py (the quantizer) and tokenizer.py beside it, not
-model.py.
+The tokenizer goes in as llama.cpp's 'gpt2' BPE keys (`gguf_vocab`), and LoRA adapters
+on a ternary base as llama.cpp's separate adapter file (`save_lora_gguf`). This file
+works from a state dict and a config: it needs bitlinear.py (the quantizer) and
+tokenizer.py beside it, not model.py.
 """
 import math
 import os
@@ -27,18 +29,20 @@ import torch
 from bitlinear import unpack_hf, weight_quant
 from tokenizer import DIGITS_PATTERN, GPT2_PATTERN, LLAMA3_PATTERN, byte_alphabet
 
-# ---------------------------------------------------------------- llama.cpp's block layouts
+# ---------------------------------------------------------- llama.cpp's block layouts
 
 
 def with_d(blocks, gamma, d_first=False):
-    """(N, nb, bytes) uint8 blocks -> (N, nb * (bytes + 2)): fp16 gamma after (or before) each."""
-    d = gamma.half().reshape(1, 1, 1).expand(*blocks.shape[:2], 1).contiguous().view(torch.uint8)
+    """(N, nb, bytes) uint8 blocks -> (N, nb * (bytes + 2)):
+    fp16 gamma after (or before) each."""
+    d = gamma.half().reshape(1, 1, 1).expand(*blocks.shape[:2], 1)
+    d = d.contiguous().view(torch.uint8)
     return torch.cat([d, blocks] if d_first else [blocks, d], -1).flatten(1)
 
 
 def pack_tq2_0(w_q, gamma):
-    """(N, K) codes, K % 256 == 0 -> TQ2_0 rows: in each 128 codes, byte m holds codes m, m+32,
-    m+64, m+96 as 2-bit q + 1 (lowest bits first), then d."""
+    """(N, K) codes, K % 256 == 0 -> TQ2_0 rows: in each 128 codes, byte m holds codes
+    m, m+32, m+64, m+96 as 2-bit q + 1 (lowest bits first), then d."""
     N, K = w_q.shape
     c = (w_q.to(torch.int8) + 1).to(torch.uint8).view(N, K // 128, 4, 32)
     qs = c[:, :, 0] | c[:, :, 1] << 2 | c[:, :, 2] << 4 | c[:, :, 3] << 6  # (N, K/128, 32)
@@ -46,17 +50,18 @@ def pack_tq2_0(w_q, gamma):
 
 
 def trits(c):
-    """(..., n, m) codes in {0, 1, 2} -> (..., m) bytes: the n base-3 digits, the first most
-    significant, as the fraction v / 3^5 scaled to 256 and rounded up, so that llama.cpp reads
-    digit i back as ((byte * 3^i) mod 256) * 3 >> 8 with one multiply."""
+    """(..., n, m) codes in {0, 1, 2} -> (..., m) bytes: the n base-3 digits, the first
+    most significant, as the fraction v / 3^5 scaled to 256 and rounded up,
+    so that llama.cpp reads digit i back as ((byte * 3^i) mod 256) * 3 >> 8
+    with one multiply."""
     v = sum(c[..., i, :] * 3 ** (4 - i) for i in range(c.shape[-2]))
     return ((v * 256 + 242) // 243).to(torch.uint8)
 
 
 def pack_tq1_0(w_q, gamma):
-    """(N, K) codes, K % 256 == 0 -> TQ1_0 rows: 5 codes per byte (3^5 = 243 < 256). Of each 256,
-    codes 0-159 go to 32 bytes (byte m: m, m+32, ..., m+128), 160-239 to 16 bytes (stride 16),
-    and the last 16 to 4 bytes at 4 per byte (stride 4), then d."""
+    """(N, K) codes, K % 256 == 0 -> TQ1_0 rows: 5 codes per byte (3^5 = 243 < 256). Of
+    each 256, codes 0-159 go to 32 bytes (byte m: m, m+32, ..., m+128), 160-239 to 16
+    bytes (stride 16), and the last 16 to 4 bytes at 4 per byte (stride 4), then d."""
     N, K = w_q.shape
     c = (w_q.to(torch.int32) + 1).view(N, K // 256, 256)
     first = trits(c[..., :160].unflatten(-1, (5, 32)))
@@ -76,32 +81,36 @@ def pack_f16(w_q, gamma):
     return (w_q.to(torch.float16) * gamma.to(torch.float16)).view(torch.uint8)
 
 
-# packer, ggml type, the multiple a row's length must be; all exact (F16 fits any row, at 16 bits)
+# packer, ggml type, the multiple a row's length must be;
+# all exact (F16 fits any row, at 16 bits)
 TERNARY = {'tq2_0': (pack_tq2_0, 35, 256), 'tq1_0': (pack_tq1_0, 34, 256),
            'q8_0': (pack_q8_0, 8, 32), 'f16': (pack_f16, 1, 1)}
 # LLAMA_FTYPE_* of the whole file
-FILE_TYPE = {torch.float32: 0, torch.float16: 1, 'f16': 1, 'q8_0': 7, 'tq1_0': 36, 'tq2_0': 37}
+FILE_TYPE = {torch.float32: 0, torch.float16: 1,
+             'f16': 1, 'q8_0': 7, 'tq1_0': 36, 'tq2_0': 37}
 # our (Hugging Face) module names -> llama.cpp's tensor names
 NAMES = dict(embed_tokens='token_embd', norm='output_norm', lm_head='output',
-             input_layernorm='attn_norm', q_proj='attn_q', k_proj='attn_k', v_proj='attn_v',
-             o_proj='attn_output', attn_sub_norm='attn_sub_norm',
+             input_layernorm='attn_norm', q_proj='attn_q', k_proj='attn_k',
+             v_proj='attn_v', o_proj='attn_output', attn_sub_norm='attn_sub_norm',
              post_attention_layernorm='ffn_norm', gate_proj='ffn_gate', up_proj='ffn_up',
              down_proj='ffn_down', ffn_sub_norm='ffn_sub_norm')
 
-# ---------------------------------------------------------------- the file
+# ---------------------------------------------------------- the file
 
 
 def write_gguf(path, kv, tensors):
-    """GGUF v3: magic, version, counts; the key-values, each typed (ints as uint32, floats as
-    float32, lists of strings or int32); each tensor's name, dims innermost first, ggml type and
-    offset; then the data, each tensor aligned to 32 bytes. `tensors`: (name, ggml type, shape,
-    bytes). Written under a temporary name and renamed, so a failed export leaves no half file."""
+    """GGUF v3: magic, version, counts; the key-values, each typed (ints as uint32,
+    floats as float32, lists of strings or int32); each tensor's name, dims innermost
+    first, ggml type and offset; then the data, each tensor aligned to 32 bytes.
+    `tensors`: (name, ggml type, shape, bytes). Written under a temporary name and
+    renamed, so a failed export leaves no half file."""
     def string(s):
         return struct.pack('<Q', len(s.encode())) + s.encode()
 
     def value(v):  # -> GGUF type id, bytes
         if isinstance(v, (bool, int, float, str)):
-            kind, fmt = {bool: (7, '?'), int: (4, '<I'), float: (6, '<f'), str: (8, '')}[type(v)]
+            types = {bool: (7, '?'), int: (4, '<I'), float: (6, '<f'), str: (8, '')}
+            kind, fmt = types[type(v)]
             return kind, string(v) if kind == 8 else struct.pack(fmt, v)
         if v and isinstance(v[0], int):
             return 9, struct.pack('<IQ', 5, len(v)) + struct.pack(f'<{len(v)}i', *v)
@@ -125,7 +134,8 @@ def write_gguf(path, kv, tensors):
 
 
 def unsupported(cfg):
-    """What llama.cpp's architecture for this model lacks (an empty list: it can be exported)."""
+    """What llama.cpp's architecture for this model lacks
+    (an empty list: it can be exported)."""
     b = cfg.bitnet
     lacks = {'low-rank corrections': cfg.lrc_rank,
              'ReLU^2 (it uses SiLU)': cfg.act != 'silu',
@@ -138,24 +148,27 @@ def unsupported(cfg):
 
 @torch.no_grad()
 def save_gguf(path, state_dict, cfg, vocab, ternary='tq2_0', dtype=torch.float32):
-    """Write a model (its state dict and config, model.ModelConfig's fields) as GGUF: a ternary
-    model in llama.cpp's `bitnet` architecture (the two sub-norms, the head tied to the
-    embedding), each ternary matrix exactly, W_q with d = gamma in fp16, as `ternary` (TQ2_0 or
-    TQ1_0; Q8_0 or F16 for rows whose length is not a multiple of 256), or all Q8_0 or F16; an fp
-    model in its `llama` architecture. The embedding (and an untied head) in `dtype` (fp32 or
-    fp16), norms in fp32. Latent weights are quantized here, packed ones (uint8, transformers'
-    offline layout) unpacked. `vocab`: gguf_vocab's keys."""
+    """Write a model (its state dict and config, model.ModelConfig's fields) as GGUF: a
+    ternary model in llama.cpp's `bitnet` architecture (the two sub-norms, the head tied
+    to the embedding), each ternary matrix exactly, W_q with d = gamma in fp16, as
+    `ternary` (TQ2_0 or TQ1_0; Q8_0 or F16 for rows whose length is not a multiple of
+    256), or all Q8_0 or F16; an fp model in its `llama` architecture. The embedding
+    (and an untied head) in `dtype` (fp32 or fp16), norms in fp32. Latent weights are
+    quantized here, packed ones (uint8, transformers' offline layout) unpacked.
+    `vocab`: gguf_vocab's keys."""
     arch = 'bitnet' if cfg.bitnet else 'llama'
     lacks = unsupported(cfg)
     if lacks:
-        raise ValueError(f"no GGUF export: llama.cpp's {arch} model has no {', '.join(lacks)}")
+        raise ValueError(f"no GGUF export: llama.cpp's {arch} model "
+                         f"has no {', '.join(lacks)}")
     if ternary not in TERNARY or dtype not in (torch.float32, torch.float16):
         raise ValueError(f"ternary type {ternary!r} or dtype {dtype} unknown; use "
                          f"{'/'.join(TERNARY)} and torch.float32/float16")
     hs = cfg.head_dim
-    rows = dict(q_proj=cfg.n_head * hs, k_proj=cfg.n_kv_head * hs, v_proj=cfg.n_kv_head * hs,
-                o_proj=cfg.n_embd, gate_proj=cfg.intermediate_size,
-                up_proj=cfg.intermediate_size, down_proj=cfg.n_embd)
+    rows = dict(q_proj=cfg.n_head * hs, k_proj=cfg.n_kv_head * hs,
+                v_proj=cfg.n_kv_head * hs, o_proj=cfg.n_embd,
+                gate_proj=cfg.intermediate_size, up_proj=cfg.intermediate_size,
+                down_proj=cfg.n_embd)
     tensors = []  # (GGUF name, ggml type, torch shape, bytes)
     for k, v in state_dict.items():
         if k.endswith('weight_scale'):
@@ -172,14 +185,15 @@ def save_gguf(path, state_dict, cfg, vocab, ternary='tq2_0', dtype=torch.float32
                 w_q, gamma = unpack_hf(v, rows[module]), state_dict[k + '_scale']
             else:
                 w_q, gamma = weight_quant(v)
-            # the asked type if the row length fits its blocks, else the next one that does
+            # the asked type if the row length fits its blocks,
+            # else the next one that does
             fits = [TERNARY[t] for t in (ternary, 'q8_0', 'f16')]
             pack, kind, _ = next(f for f in fits if w_q.shape[1] % f[2] == 0)
             tensors.append((name, kind, w_q.shape, pack(w_q, gamma).numpy().tobytes()))
             continue
         if arch == 'llama' and module in ('q_proj', 'k_proj'):
-            # llama.cpp's `llama` RoPE rotates adjacent pairs (x0, x1), ours (and HF's) the two
-            # halves of a head (x0, x_{d/2}): reorder each head's rows to match
+            # llama.cpp's `llama` RoPE rotates adjacent pairs (x0, x1), ours (and HF's)
+            # the two halves of a head (x0, x_{d/2}): reorder each head's rows to match
             heads = cfg.n_head if module == 'q_proj' else cfg.n_kv_head
             v = v.reshape(heads, 2, -1, *v.shape[1:]).transpose(1, 2).reshape(v.shape)
         half = v.dim() == 2 and dtype == torch.float16
@@ -204,10 +218,10 @@ def save_gguf(path, state_dict, cfg, vocab, ternary='tq2_0', dtype=torch.float32
 
 
 def save_lora_gguf(path, adapters, alpha, arch='bitnet'):
-    """LoRA adapters as llama.cpp's adapter file (llama-cli -m BASE.gguf --lora FILE): each A
-    (r, in) and B (out, r) in fp32, named after its matrix. `adapters`: a state dict of the model's
-    blocks holding the adapters ('0.self_attn.q_proj.lora_A.weight', ...). llama.cpp adds
-    (alpha / r) B A x, as lora.LoRALinear does."""
+    """LoRA adapters as llama.cpp's adapter file (llama-cli -m BASE.gguf --lora FILE):
+    each A (r, in) and B (out, r) in fp32, named after its matrix. `adapters`: a state
+    dict of the model's blocks holding the adapters ('0.self_attn.q_proj.lora_A.weight',
+    ...). llama.cpp adds (alpha / r) B A x, as lora.LoRALinear does."""
     tensors = []
     for k, v in adapters.items():
         if '.lora_' not in k:
@@ -215,24 +229,26 @@ def save_lora_gguf(path, adapters, alpha, arch='bitnet'):
         block, _, module, ab, _ = k.split('.')
         name = f'blk.{block}.{NAMES[module]}.weight.{ab.lower()}'
         tensors.append((name, 0, v.shape, v.float().numpy().tobytes()))
-    kv = {'general.architecture': arch, 'general.type': 'adapter', 'adapter.type': 'lora',
-          'adapter.lora.alpha': float(alpha)}
+    kv = {'general.architecture': arch, 'general.type': 'adapter',
+          'adapter.type': 'lora', 'adapter.lora.alpha': float(alpha)}
     write_gguf(path, kv, tensors)
 
 
-# ---------------------------------------------------------------- the vocabulary
+# ---------------------------------------------------------- the vocabulary
 
 # the names under which llama.cpp (src/llama-vocab.cpp) runs each pre-tokenizer regex
 LLAMA_CPP_PRE = {GPT2_PATTERN: 'gpt-2', DIGITS_PATTERN: 'smollm', LLAMA3_PATTERN: 'llama-bpe'}
 
 
 def gguf_vocab(enc, vocab_size):
-    """The tokenizer as the GGUF keys of llama.cpp's 'gpt2' BPE: each token spelled in GPT-2's byte
-    alphabet with its type (1 normal, 3 control: a special token, 5 unused: padding rows up to
-    vocab_size), the merges in rank order, and the pre-tokenizer's name. tiktoken keeps ranks, not
-    merges: the merge that makes a token is the last step of BPE on its bytes."""
+    """The tokenizer as the GGUF keys of llama.cpp's 'gpt2' BPE: each token spelled in
+    GPT-2's byte alphabet with its type (1 normal, 3 control: a special token, 5 unused:
+    padding rows up to vocab_size), the merges in rank order, and the pre-tokenizer's
+    name. tiktoken keeps ranks, not merges: the merge that makes a token is the last
+    step of BPE on its bytes."""
     if enc._pat_str not in LLAMA_CPP_PRE:
-        raise ValueError(f"tokenizer {enc.name!r}: llama.cpp has no pre-tokenizer for its regex; "
+        raise ValueError(f"tokenizer {enc.name!r}: "
+                         f"llama.cpp has no pre-tokenizer for its regex; "
                          f"use a GPT-2, SmolLM2 or Llama 3 style tokenizer")
     glyph = byte_alphabet()
     special = {enc.encode_single_token(s) for s in enc.special_tokens_set}
@@ -256,11 +272,13 @@ def gguf_vocab(enc, vocab_size):
     for token in ranks:  # in id order, which is rank order
         segs = [token[i:i + 1] for i in range(len(token))]
         while len(segs) > 2:  # merge the lowest-ranked pair, as tiktoken does
-            pair_rank = [ranks.get(segs[j] + segs[j + 1], math.inf) for j in range(len(segs) - 1)]
+            pairs = [segs[j] + segs[j + 1] for j in range(len(segs) - 1)]
+            pair_rank = [ranks.get(pair, math.inf) for pair in pairs]
             i = pair_rank.index(min(pair_rank))
             segs[i:i + 2] = [segs[i] + segs[i + 1]]
         if len(segs) == 2:
             merges.append(spell(segs[0]) + ' ' + spell(segs[1]))
-    return {'tokenizer.ggml.model': 'gpt2', 'tokenizer.ggml.pre': LLAMA_CPP_PRE[enc._pat_str],
+    return {'tokenizer.ggml.model': 'gpt2',
+            'tokenizer.ggml.pre': LLAMA_CPP_PRE[enc._pat_str],
             'tokenizer.ggml.tokens': tokens, 'tokenizer.ggml.token_type': types,
             'tokenizer.ggml.merges': merges, 'tokenizer.ggml.add_bos_token': False}

@@ -1,16 +1,18 @@
 """
 Downloads from the Hugging Face hub (or any HTTPS server) with nothing but `requests`.
 
-A hub file is a plain HTTPS GET of `{endpoint}/{repo}/resolve/{revision}/{file}`: redirects
-followed, a cut transfer resumed with a Range header, the file written under a temporary name
-and renamed once it matches the sha256 the hub sends for large (LFS) files. `HF_ENDPOINT`
-points elsewhere (a mirror, or the tests' server on 127.0.0.1), `HF_TOKEN` reads gated repos and
-is sent only in the Authorization header (never printed), `HF_HUB_OFFLINE=1` forbids the network.
-Under torchrun only local rank 0 downloads; the other ranks wait for the file to appear.
+A hub file is a plain HTTPS GET of `{endpoint}/{repo}/resolve/{revision}/{file}`:
+redirects followed, a cut transfer resumed with a Range header, the file written under a
+temporary name and renamed once it matches the sha256 the hub sends for large (LFS)
+files. `HF_ENDPOINT` points elsewhere (a mirror, or the tests' server on 127.0.0.1),
+`HF_TOKEN` reads gated repos and is sent only in the Authorization header (never
+printed), `HF_HUB_OFFLINE=1` forbids the network. Under torchrun only local rank 0
+downloads; the other ranks wait for the file to appear.
 
-Files are cached under ~/.cache/nanobitnet (or NANOBITNET_CACHE). `resolve_model` turns a hub id
-into a local Hugging Face directory: config.json, the safetensors weights (one file or shards),
-and the tokenizer files. `Progress` is the one progress line every long job here prints.
+Files are cached under ~/.cache/nanobitnet (or NANOBITNET_CACHE). `resolve_model` turns
+a hub id into a local Hugging Face directory: config.json, the safetensors weights (one
+file or shards), and the tokenizer files. `Progress` is the one progress line every long
+job here prints.
 """
 import hashlib
 import json
@@ -21,17 +23,20 @@ import time
 
 import requests
 
-# the files that hold a model's tokenizer and chat template, which travel with its weights
+# the files of a model's tokenizer and chat template, which travel with its weights
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'chat_template.jinja')
 
 
 class Progress:
-    """One progress line for long work (downloads, preparing data, evaluation): rewritten in place
-    on a terminal, a new line every `every` seconds otherwise, so that logs stay readable; nothing
-    for work that ends within `delay` seconds. Amounts are in `unit`s of `scale` (MB: 1e6)."""
+    """One progress line for long work (downloads, preparing data, evaluation):
+    rewritten in place on a terminal, a new line every `every` seconds otherwise, so that
+    logs stay readable; nothing for work that ends within `delay` seconds. Amounts are in
+    `unit`s of `scale` (MB: 1e6)."""
 
-    def __init__(self, what, total=0, unit=' MB', scale=1e6, start=0, delay=2.0, every=10.0):
-        self.what, self.total, self.unit, self.scale, self.start = what, total, unit, scale, start
+    def __init__(self, what, total=0, unit=' MB', scale=1e6, start=0, delay=2.0,
+                 every=10.0):
+        self.what, self.total, self.start = what, total, start
+        self.unit, self.scale = unit, scale
         self.tty, self.every = sys.stdout.isatty(), every
         self.t0, self.shown, self.delay = time.time(), 0.0, delay
 
@@ -63,7 +68,8 @@ class DownloadError(OSError):
 
 
 def cache_dir():
-    return os.environ.get('NANOBITNET_CACHE') or os.path.expanduser('~/.cache/nanobitnet')
+    return (os.environ.get('NANOBITNET_CACHE')
+            or os.path.expanduser('~/.cache/nanobitnet'))
 
 
 def local_rank():
@@ -71,7 +77,7 @@ def local_rank():
 
 
 def wait_for(path, what, timeout):
-    """The other local ranks wait for rank 0's result to appear: a file renamed into place."""
+    """The other local ranks wait for rank 0's result: a file renamed into place."""
     deadline = time.time() + timeout
     while not os.path.exists(path):
         if time.time() > deadline:
@@ -81,7 +87,7 @@ def wait_for(path, what, timeout):
 
 
 def linked_sha256(response):
-    """The sha256 the hub names for an LFS file: X-Linked-Etag (on the redirect) or ETag."""
+    """The hub's sha256 of an LFS file: X-Linked-Etag (on the redirect) or ETag."""
     for r in (*response.history, response):
         for header in ('X-Linked-Etag', 'ETag'):
             tag = r.headers.get(header, '').strip('W/"')
@@ -112,15 +118,18 @@ def download(url, dest, timeout=60, wait=3600, tries=3):
                 sha = linked_sha256(r)
                 code = r.status_code
                 if code in (401, 403):
-                    raise DownloadError(f"{url}: HTTP {code}, not authorized; gated/private repo? "
-                                        f"set HF_TOKEN to a token that can read it, {local}", code)
+                    raise DownloadError(f"{url}: HTTP {code}, not authorized; "
+                                        f"gated/private repo? set HF_TOKEN to a token "
+                                        f"that can read it, {local}", code)
                 if code == 404:
-                    raise DownloadError(f"{url}: HTTP 404, not found; check the repo id, "
-                                        f"revision and file name, {local}", 404)
+                    raise DownloadError(f"{url}: HTTP 404, not found; check the repo "
+                                        f"id, revision and file name, {local}", 404)
+                # the part already holds the whole file: a crash came before the rename
                 if code == 416:
-                    break  # the part already holds the whole file: a crash came before the rename
+                    break
                 if code >= 400:
-                    raise DownloadError(f"{url}: HTTP {code}; try again later, {local}", code)
+                    message = f"{url}: HTTP {code}; try again later, {local}"
+                    raise DownloadError(message, code)
                 if code != 206:
                     have = 0  # 200: the server ignored the Range
                 size = have + int(r.headers.get('Content-Length', 0))
@@ -134,7 +143,7 @@ def download(url, dest, timeout=60, wait=3600, tries=3):
             break
         except (requests.ConnectionError, requests.Timeout,
                 requests.exceptions.ChunkedEncodingError) as e:
-            err = type(e).__name__  # a cut transfer: the next try resumes from what arrived
+            err = type(e).__name__  # a cut transfer: next try resumes from what arrived
             time.sleep(attempt)
     else:
         raise DownloadError(f"cannot download {url} ({err}); check network, HF_ENDPOINT, {local}")
@@ -162,8 +171,9 @@ def hub_download(repo_id, filename, repo_type='model', revision='main'):
 
 
 def fetch(src, folder=None):
-    """A data file given as a local path, a URL, or hf://datasets/owner/name[@revision]/file
-    (hf://owner/name/file for a model repo): its local path, downloaded (into folder) if need be."""
+    """A data file given as a local path, a URL, or
+    hf://datasets/owner/name[@revision]/file (hf://owner/name/file for a model repo):
+    its local path, downloaded (into folder) if need be."""
     m = re.fullmatch(r'hf://(datasets/)?([^/@]+/[^/@]+)(?:@([^/]+))?/(.+)', src)
     if m:
         kind = 'dataset' if m[1] else 'model'
@@ -172,20 +182,22 @@ def fetch(src, folder=None):
         dest = os.path.join(cache_dir(), kind + 's', repo, revision, name)
     elif src.startswith(('http://', 'https://')):
         url = src
-        dest = os.path.join(cache_dir(), 'urls', re.sub(r'[^\w.-]', '_', src.split('://', 1)[1]))
+        name = re.sub(r'[^\w.-]', '_', src.split('://', 1)[1])
+        dest = os.path.join(cache_dir(), 'urls', name)
     elif os.path.exists(src):
         return src
     else:
-        raise FileNotFoundError(f"data file {src!r} not found; give a local path, an https:// "
-                                f"URL or hf://datasets/owner/name/file")
+        raise FileNotFoundError(f"data file {src!r} not found; give a local path, "
+                                f"an https:// URL or hf://datasets/owner/name/file")
     if folder:
         dest = os.path.join(folder, os.path.basename(dest))
     return download(url, dest)
 
 
 def resolve_model(src, revision='main'):
-    """A Hugging Face model directory: src itself if it is one, else the hub repo src fetched into
-    the cache (config.json, the safetensors weights, single or sharded, the tokenizer files)."""
+    """A Hugging Face model directory: src itself if it is one, else the hub repo src
+    fetched into the cache (config.json, the safetensors weights, single or sharded, the
+    tokenizer files)."""
     if os.path.isdir(src):
         return src
     if not re.fullmatch(r'[\w.-]+/[\w.-]+', src):

@@ -1,32 +1,32 @@
 """
-Packed ternary inference: y = (x_q @ W_q^T) * gamma / s with 2-bit weights and int8 activations.
+Packed ternary inference: y = (x_q @ W_q^T) * gamma / s, 2-bit weights, int8 activations.
 
-Why it can be fast. Generating one token (batch 1) reads every weight once and does 2 flops
-with it, so decoding runs at the speed at which weights stream from memory. A ternary weight
-needs 2 bits, so a byte holds four: a 4096x4096 matrix is 4 MiB instead of 64 MiB in fp32.
-16x fewer bytes can be up to 16x faster, as long as unpacking costs less than the memory saved.
+Why it can be fast. Generating one token (batch 1) reads every weight once and does 2
+flops with it, so decoding runs at the speed weights stream from memory. A ternary
+weight needs 2 bits, so a byte holds four: a 4096x4096 matrix is 4 MiB instead of 64 MiB
+in fp32. 16x fewer bytes can be up to 16x faster, if unpacking costs less than it saves.
 
-Why it can be exact. The activations are quantized per token to int8 (absmax, as in
-bitlinear.py), each product is int8 x {-1, 0, 1}, the sums are int32, so every implementation
-below returns the *same integers*, and the fp scale gamma / s is applied once at the end.
+Why it can be exact. Activations are quantized per token to int8 (absmax, as in
+bitlinear.py), each product is int8 x {-1, 0, 1} and the sums are int32, so every
+implementation returns the *same integers*; the fp scale gamma / s is applied once, last.
 
 The trick that makes unpacking almost free: a weight is stored as its code c = q + 1 in
 {0, 1, 2}, which a shift and a mask turn into an unsigned byte. Then
 
     sum_k q_k x_k = sum_k c_k x_k - sum_k x_k
 
-an unsigned x signed byte dot product (exactly x86's VNNI instruction vpdpbusd) minus one sum
-per token, with no per-weight subtraction. On NVIDIA GPUs, dp4a multiplies signed bytes, so
-there we subtract 1 from four codes at once (__vsub4) and use the weights directly.
+an unsigned x signed byte dot product (x86's VNNI instruction vpdpbusd) minus one sum per
+token, with no per-weight subtraction. On NVIDIA GPUs, dp4a multiplies signed bytes, so
+we subtract 1 from four codes at once (__vsub4) and use the weights directly.
 
-Four implementations of one integer op, (M, K) int8 x packed (N, K) -> (M, N) int32, each also a
-torch.library.custom_op with a fake (shape-only) implementation, so that a model using them
-still compiles with torch.compile:
+Four implementations of one integer op, (M, K) int8 x packed (N, K) -> (M, N) int32, each
+also a torch.library.custom_op with a fake (shape-only) implementation, so that a model
+using them still compiles with torch.compile:
   reference  unpack to numbers and matmul: the definition, slow, used by the tests
   compile    the same math as one expression that torch.compile fuses into a single loop
   cpp        a C++ CPU kernel (AVX-512 VNNI or AVX2, chosen at run time, all cores)
-  cuda       a CUDA GEMV for decode (dp4a) and int8 tensor cores (torch._int_mm) for prefill
-`ternary_linear` picks the fastest one that builds and says once when it has to fall back.
+  cuda       a CUDA GEMV for decode (dp4a), int8 tensor cores (torch._int_mm) for prefill
+`ternary_linear` picks the fastest one that builds and says once when it falls back.
 The same op takes a gamma per weight row (matrices fused into one, engine.fuse) and
 int8 rows times int16 activations (an LM head in 4x fewer bytes than fp32, pack_int8).
 """
@@ -40,14 +40,14 @@ import torch
 import torch.nn.functional as F
 
 # ---------------------------------------------------------------- packing
-# HF layout, transformers' offline BitNet format (export/import): W_q (N, K) -> uint8 (R, K)
-# with R = ceil(N/4); byte (r, c) holds rows r, r+R, r+2R, r+3R of column c (strided rows):
+# HF layout, transformers' offline BitNet format (export/import): W_q (N, K) -> uint8
+# (R, K), R = ceil(N/4); byte (r, c) holds rows r, r+R, r+2R, r+3R of column c:
 #
 #     bits  7 6 | 5 4  | 3 2 | 1 0
-#     row   3R+r| 2R+r | R+r |  r        (value = q + 1; rows past N are padded with q = 0)
+#     row   3R+r| 2R+r | R+r |  r    (value = q + 1; rows past N are padded with q = 0)
 #
-# Kernel layout, packed along K: each row is cut into blocks of 256 columns, and block b is
-# 64 bytes whose byte j holds columns 256b + j, +64, +128, +192:
+# Kernel layout, packed along K: each row is cut into blocks of 256 columns, and block b
+# is 64 bytes whose byte j holds columns 256b + j, +64, +128, +192:
 #
 #              byte j:  0    1    2   ...  63
 #     bits 1:0  col  256b + 0    1    2   ...  63
@@ -55,17 +55,18 @@ import torch.nn.functional as F
 #     bits 5:4  col  256b + 128 129  130  ... 191
 #     bits 7:6  col  256b + 192 193  194  ... 255
 #
-# So a 64-byte load shifted right by 2i and masked with 3 in every byte is the codes of 64
-# *consecutive* columns, one AVX-512 register to multiply with 64 consecutive activations;
-# a 32-bit word gives 4 consecutive columns per bit pair, one dp4a. K is padded with zero
-# weights to a multiple of 256, so the kernels never handle a ragged tail.
+# So a 64-byte load shifted right by 2i and masked with 3 in every byte is the codes of
+# 64 *consecutive* columns, one AVX-512 register to multiply with 64 consecutive
+# activations; a 32-bit word gives 4 consecutive columns per bit pair, one dp4a. K is
+# padded with zero weights to a multiple of 256, so no kernel handles a ragged tail.
 BLOCK = 256
 
 
 def pack_hf(w_q):
     """(N, K) in {-1, 0, 1} -> uint8 (ceil(N/4), K), the HF layout."""
     N, R = w_q.shape[0], -(-w_q.shape[0] // 4)
-    c = F.pad(w_q.to(torch.int8) + 1, (0, 0, 0, 4 * R - N), value=1).to(torch.uint8).view(4, R, -1)
+    codes = F.pad(w_q.to(torch.int8) + 1, (0, 0, 0, 4 * R - N), value=1)
+    c = codes.to(torch.uint8).view(4, R, -1)
     return c[0] | c[1] << 2 | c[2] << 4 | c[3] << 6
 
 
@@ -75,9 +76,11 @@ def unpack_hf(packed, N):
 
 
 def pack(w_q):
-    """(N, K) in {-1, 0, 1} -> uint8 (N, Kp/4), the kernel layout, Kp = K rounded up to 256."""
+    """(N, K) in {-1, 0, 1} -> uint8 (N, Kp/4), the kernel layout,
+    Kp = K rounded up to 256."""
     N, K = w_q.shape
-    c = F.pad(w_q.to(torch.int8) + 1, (0, -K % BLOCK), value=1).to(torch.uint8).view(N, -1, 4, 64)
+    codes = F.pad(w_q.to(torch.int8) + 1, (0, -K % BLOCK), value=1)
+    c = codes.to(torch.uint8).view(N, -1, 4, 64)
     return (c[:, :, 0] | c[:, :, 1] << 2 | c[:, :, 2] << 4 | c[:, :, 3] << 6).view(N, -1)
 
 
@@ -89,48 +92,53 @@ def unpack(packed, K):
 
 
 def pack_int8(w):
-    """An fp matrix (N, K) -> int8 rows (N, Kp), Kp = K rounded up to 256, and a scale per row (N,),
-    absmax per row. For a matrix that is not ternary, an LM head: 4x fewer bytes than fp32. The ops
-    below take such weights too, with activations quantized per token to int16 rather than int8."""
+    """An fp matrix (N, K) -> int8 rows (N, Kp), Kp = K rounded up to 256, and a scale
+    per row (N,), absmax. For a matrix that is not ternary, an LM head: 4x fewer bytes
+    than fp32. The ops below take such weights too, with per-token int16 activations."""
     scale = w.float().abs().amax(dim=1).clamp(min=1e-8) / 127
     w_q = (w.float() / scale[:, None]).round().to(torch.int8)
     return F.pad(w_q, (0, -w.shape[1] % BLOCK)), scale
 
 
 def quantize(x, levels=127):
-    """absmax per token, as in bitlinear.activation_quant: int8 x_q (M, K) and the scale s (M, 1);
-    int16 with levels=32767."""
+    """absmax per token, as in bitlinear.activation_quant: int8 x_q (M, K) and the scale
+    s (M, 1); int16 with levels=32767."""
     s = levels / x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
     x_q = (x.float() * s).round().clamp(-levels - 1, levels)
     return x_q.to(torch.int8 if levels < 128 else torch.int16), s
 
 
-# ---------------------------------------------------------------- 1. reference, 2. torch.compile
-# Each implementation is the whole op: float activations (M, K), packed weights, gamma (1,) or one
-# per weight row (N,; fused matrices) -> float (M, N). Quantize, integer matmul, then the one fp
-# multiply: float(acc) * (gamma / s), with acc exact in fp32 (below 2^24).
+# ------------------------------------------------------- 1. reference, 2. torch.compile
+# Each implementation is the whole op: float activations (M, K), packed weights, gamma
+# (1,) or one per weight row (N,; fused matrices) -> float (M, N). Quantize, integer
+# matmul, then one fp multiply: float(acc) * (gamma / s), acc exact in fp32 (below 2^24).
 
 def _linear(mm, x, w, gamma):
-    if w.dtype == torch.int8:  # int8 rows (an LM head) take int16 activations; sums exact in fp64
+    # int8 rows (an LM head) take int16 activations; sums exact in fp64
+    if w.dtype == torch.int8:
         x_q, s = quantize(x, 32767)
-        return (x_q.double() @ w[:, :x.shape[1]].double().T).float() * (gamma.float() / s)
+        acc = x_q.double() @ w[:, :x.shape[1]].double().T
+        return acc.float() * (gamma.float() / s)
     x_q, s = quantize(x)
     return mm(x_q, w).float() * (gamma.float() / s)
 
 
 def _mm_double(x_q, w):
-    # float64 holds every partial sum (at most 128 * K) exactly, on any device, in any order
+    # float64 holds every partial sum (at most 128 * K) exactly,
+    # on any device, in any order
     return x_q.double() @ unpack(w, x_q.shape[1]).double().T
 
 
-def linear_reference(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+def linear_reference(x: torch.Tensor, w: torch.Tensor,
+                     gamma: torch.Tensor) -> torch.Tensor:
     return _linear(_mm_double, x, w, gamma)
 
 
 def _mm_fused(x_q, w):
-    # broadcast (M, 1, K) x (1, N, K) and sum over K: inductor turns this into one loop nest
-    # that unpacks each weight in registers, so the (M, N, K) product never exists in memory
-    return (x_q.int()[:, None, :] * unpack(w, x_q.shape[1]).int()[None]).sum(-1, dtype=torch.int32)
+    # broadcast (M, 1, K) x (1, N, K) and sum over K: inductor makes this one loop nest
+    # that unpacks each weight in registers, so the (M, N, K) product is never in memory
+    w_q = unpack(w, x_q.shape[1]).int()
+    return (x_q.int()[:, None, :] * w_q[None]).sum(-1, dtype=torch.int32)
 
 
 @functools.cache
@@ -138,18 +146,20 @@ def _compiled():
     return torch.compile(functools.partial(_linear, _mm_fused), dynamic=True)
 
 
-def linear_compile(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+def linear_compile(x: torch.Tensor, w: torch.Tensor,
+                   gamma: torch.Tensor) -> torch.Tensor:
     return _compiled()(x, w, gamma)
 
 
 # ---------------------------------------------------------------- 3. C++ CPU kernel
-# The work is tiled in registers. Prefill (4 tokens or more): tiles of MR = 4 tokens x NR = 4
-# weight rows, so each unpacked weight register is used 4 times and each activation load 4 times.
-# Decode (1-3 tokens) is a stream of weights from memory, and what makes it fast is reading that
-# stream in order: one weight row at a time (NR = 1), with U = 4 blocks in flight on their own
-# accumulators so that the multiply unit never waits on its previous result. (Four rows side by
-# side are four streams 1 KiB apart: measured, that halves the rate at which memory delivers.)
-# Threads split the weight rows; each streams contiguous memory.
+# The work is tiled in registers. Prefill (4 tokens or more): tiles of
+# MR = 4 tokens x NR = 4 weight rows, so each unpacked weight register is used 4 times
+# and each activation load 4 times. Decode (1-3 tokens) is a stream of weights from
+# memory, and what makes it fast is reading that stream in order: one weight row at a
+# time (NR = 1), with U = 4 blocks in flight on their own accumulators so that the
+# multiply unit never waits on its previous result. (Four rows side by side are four
+# streams 1 KiB apart: measured, that halves the rate at which memory delivers.) Threads
+# split the weight rows; each streams contiguous memory.
 CPP = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -158,34 +168,43 @@ CPP = r"""
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
 #define AVX2 __attribute__((target("avx2")))
 
-template <int MR, int NR>  // one 256-column block: x is MR rows of Kp int8, w NR rows of Kp/4 bytes
-VNNI inline void block_vnni(const int8_t* x, const uint8_t* w, int64_t Kp, int64_t k, __m512i (&a)[MR][NR]) {
+// one 256-column block: x is MR rows of Kp int8, w NR rows of Kp/4 bytes
+template <int MR, int NR>
+VNNI inline void block_vnni(const int8_t* x, const uint8_t* w, int64_t Kp, int64_t k,
+                            __m512i (&a)[MR][NR]) {
   __m512i v[NR];
   for (int n = 0; n < NR; n++) v[n] = _mm512_loadu_si512(w + n * Kp / 4 + k / 4);
   for (int i = 0; i < 4; i++) {  // bit pair i holds columns k + 64i .. k + 64i + 63
     __m512i c[NR];
-    for (int n = 0; n < NR; n++) c[n] = _mm512_and_si512(_mm512_srli_epi16(v[n], 2 * i), _mm512_set1_epi8(3));
+    for (int n = 0; n < NR; n++)
+      c[n] = _mm512_and_si512(_mm512_srli_epi16(v[n], 2 * i), _mm512_set1_epi8(3));
     for (int m = 0; m < MR; m++) {
       __m512i xv = _mm512_loadu_si512(x + m * Kp + k + 64 * i);
-      // 64 codes (unsigned) times 64 activations (signed), each 4 products summed into an int32
+      // 64 unsigned codes x 64 signed activations, each 4 products summed into an int32
       for (int n = 0; n < NR; n++) a[m][n] = _mm512_dpbusd_epi32(a[m][n], c[n], xv);
     }
   }
 }
 
-template <int MR, int NR>  // the same block without VNNI: two 32-byte halves per 64-byte block
-AVX2 inline void block_avx2(const int8_t* x, const uint8_t* w, int64_t Kp, int64_t k, __m256i (&a)[MR][NR]) {
+// the same block without VNNI: two 32-byte halves per 64-byte block
+template <int MR, int NR>
+AVX2 inline void block_avx2(const int8_t* x, const uint8_t* w, int64_t Kp, int64_t k,
+                            __m256i (&a)[MR][NR]) {
   for (int h = 0; h < 64; h += 32)
     for (int i = 0; i < 4; i++) {
       __m256i c[NR];
-      for (int n = 0; n < NR; n++)
-        c[n] = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i*)(w + n * Kp / 4 + k / 4 + h)), 2 * i),
-                                _mm256_set1_epi8(3));
+      for (int n = 0; n < NR; n++) {
+        __m256i v = _mm256_loadu_si256((const __m256i*)(w + n * Kp / 4 + k / 4 + h));
+        c[n] = _mm256_and_si256(_mm256_srli_epi16(v, 2 * i), _mm256_set1_epi8(3));
+      }
       for (int m = 0; m < MR; m++) {
         __m256i xv = _mm256_loadu_si256((const __m256i*)(x + m * Kp + k + 64 * i + h));
-        // u8 x s8 pairs summed to int16 (at most 2 * 2 * 128: no saturation), then pairs to int32
-        for (int n = 0; n < NR; n++)
-          a[m][n] = _mm256_add_epi32(a[m][n], _mm256_madd_epi16(_mm256_maddubs_epi16(c[n], xv), _mm256_set1_epi16(1)));
+        for (int n = 0; n < NR; n++) {
+          // u8 x s8 pairs summed to int16 (at most 2 * 2 * 128: no saturation),
+          __m256i p = _mm256_maddubs_epi16(c[n], xv);
+          p = _mm256_madd_epi16(p, _mm256_set1_epi16(1));  // then pairs to int32
+          a[m][n] = _mm256_add_epi32(a[m][n], p);
+        }
       }
     }
 }
@@ -197,21 +216,23 @@ AVX2 inline int32_t hsum(__m256i a) {
   return _mm_cvtsi128_si32(_mm_hadd_epi32(s, s));
 }
 
-// MR tokens x NR rows over all of K, into acc (MR x NR); a lone row keeps U = 4 blocks in flight
-#define TILE(name, isa, vec, block)                                                         \
-  template <int MR, int NR> isa void name(const int8_t* x, const uint8_t* w, int64_t Kp, int32_t* acc) { \
-    constexpr int U = NR == 1 ? 4 : 1;                                                        \
-    vec a[U][MR][NR] = {};                                                                    \
-    int64_t k = 0;                                                                            \
-    for (; k + 256 * U <= Kp; k += 256 * U)                                                   \
-      for (int u = 0; u < U; u++) block<MR, NR>(x, w, Kp, k + 256 * u, a[u]);                 \
-    for (; k < Kp; k += 256) block<MR, NR>(x, w, Kp, k, a[0]);                                \
-    for (int m = 0; m < MR; m++)                                                              \
-      for (int n = 0; n < NR; n++) {                                                          \
-        int32_t s = 0;                                                                        \
-        for (int u = 0; u < U; u++) s += hsum(a[u][m][n]);                                    \
-        acc[m * NR + n] = s;                                                                  \
-      }                                                                                       \
+// MR tokens x NR rows over all of K, into acc (MR x NR);
+// a lone row keeps U = 4 blocks in flight
+#define TILE(name, isa, vec, block)                                             \
+  template <int MR, int NR>                                                     \
+  isa void name(const int8_t* x, const uint8_t* w, int64_t Kp, int32_t* acc) {  \
+    constexpr int U = NR == 1 ? 4 : 1;                                          \
+    vec a[U][MR][NR] = {};                                                      \
+    int64_t k = 0;                                                              \
+    for (; k + 256 * U <= Kp; k += 256 * U)                                     \
+      for (int u = 0; u < U; u++) block<MR, NR>(x, w, Kp, k + 256 * u, a[u]);   \
+    for (; k < Kp; k += 256) block<MR, NR>(x, w, Kp, k, a[0]);                  \
+    for (int m = 0; m < MR; m++)                                                \
+      for (int n = 0; n < NR; n++) {                                            \
+        int32_t s = 0;                                                          \
+        for (int u = 0; u < U; u++) s += hsum(a[u][m][n]);                      \
+        acc[m * NR + n] = s;                                                    \
+      }                                                                         \
   }
 TILE(tile_vnni, VNNI, __m512i, block_vnni)
 TILE(tile_avx2, AVX2, __m256i, block_avx2)
@@ -227,9 +248,9 @@ int64_t simd() {  // 2: AVX-512 VNNI, 1: AVX2, 0: neither (use another path)
   return __builtin_cpu_supports("avx2") ? 1 : 0;
 }
 
-// absmax per token, then x_q = round(x * s), exactly as kernels.quantize computes them (torch
-// evaluates 127 / t as (1 / t) * 127 and rounds half to even, as cvtps does), so every path agrees
-// bit for bit; the saturating packs to int8 are the clamp to [-128, 127]
+// absmax per token, then x_q = round(x * s), exactly as kernels.quantize does (torch
+// evaluates 127 / t as (1 / t) * 127 and rounds half to even, as cvtps does), so every
+// path agrees bit for bit; the saturating packs to int8 are the clamp to [-128, 127]
 AVX2 float quantize(const float* x, int64_t K, int8_t* q, int32_t* sum) {
   __m256 m = _mm256_setzero_ps();
   const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -248,9 +269,11 @@ AVX2 float quantize(const float* x, int64_t K, int8_t* q, int32_t* sum) {
       i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k + 8 * j), vs));
       total = _mm256_add_epi32(total, i[j]);
     }
-    // packs work within 128-bit lanes: the 32 bytes come out as 4-byte groups 0 2 4 6 1 3 5 7
-    __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-    _mm256_storeu_si256((__m256i*)(q + k), _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    // packs work in 128-bit lanes: the bytes come out as 4-byte groups 0 2 4 6 1 3 5 7
+    __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]),
+                                   _mm256_packs_epi32(i[2], i[3]));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    _mm256_storeu_si256((__m256i*)(q + k), _mm256_permutevar8x32_epi32(b, order));
   }
   *sum = hsum(total);
   for (; k < K; k++) {
@@ -264,21 +287,26 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma, int6
   TORCH_CHECK(isa == 1 || isa == 2, "this CPU has neither AVX2 nor AVX-512 VNNI");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), Kp = 4 * w.size(1);
   auto xf = x.to(torch::kFloat).contiguous();
-  auto xq = torch::zeros({M, Kp}, x.options().dtype(torch::kChar));  // zero-padded to whole blocks
+  // zero-padded to whole blocks
+  auto xq = torch::zeros({M, Kp}, x.options().dtype(torch::kChar));
   std::vector<int32_t> S(M);  // sum q x = sum c x - sum x
   std::vector<float> s(M);
-  for (int64_t m = 0; m < M; m++) s[m] = quantize(xf.data_ptr<float>() + m * K, K, xq.data_ptr<int8_t>() + m * Kp, &S[m]);
-  auto g = gamma.to(torch::kFloat).contiguous();  // one gamma, or one per row (fused matrices)
+  for (int64_t m = 0; m < M; m++)
+    s[m] = quantize(xf.data_ptr<float>() + m * K, K, xq.data_ptr<int8_t>() + m * Kp, &S[m]);
+  // one gamma, or one per row (fused matrices)
+  auto g = gamma.to(torch::kFloat).contiguous();
   const float* G = g.data_ptr<float>();
   const int64_t gs = g.numel() > 1;
   auto y = torch::empty({M, N}, xf.options());
   const int8_t* X = xq.data_ptr<int8_t>();
   const uint8_t* W = w.data_ptr<uint8_t>();
   float* Y = y.data_ptr<float>();
-  // threads split the weight rows, at least 32K weights each. Decode streams a long row alone (one
-  // sequential read), short ones (up to 1024 columns: 1.2x faster at SmolLM2's 576) four at a time
+  // Decode streams a long row alone (one sequential read), short ones (up to 1024
+  // columns: 1.2x faster at SmolLM2's 576) four at a time
   const int64_t R = M < 4 && Kp > 1024 ? 1 : 4;
-  at::parallel_for(0, (N + R - 1) / R, std::max<int64_t>(1, 32768 / Kp / R), [&](int64_t t0, int64_t t1) {
+  // threads split the weight rows, at least 32K weights each
+  const int64_t grain = std::max<int64_t>(1, 32768 / Kp / R);
+  at::parallel_for(0, (N + R - 1) / R, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t n = R * t0, nr; n < std::min(R * t1, N); n += nr) {
       nr = N - n >= R ? R : 1;
       for (int64_t m = 0; m < M; m += 4) {
@@ -286,22 +314,25 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma, int6
         int32_t acc[16];
         tiles[isa - 1][nr == 4][mr - 1](X + m * Kp, W + n * Kp / 4, Kp, acc);
         for (int i = 0; i < mr; i++)
-          for (int j = 0; j < nr; j++) Y[(m + i) * N + n + j] = float(acc[i * nr + j] - S[m + i]) * (G[gs * (n + j)] / s[m + i]);
+          for (int j = 0; j < nr; j++)
+            Y[(m + i) * N + n + j] =
+                float(acc[i * nr + j] - S[m + i]) * (G[gs * (n + j)] / s[m + i]);
       }
     }
   });
   return y;
 }
 
-// The LM head (kernels.pack_int8): int8 rows times activations quantized per token to int16 (int8
-// cost SmolLM2 0.011 nats of held-out loss), exact integer sums as in the ternary path. 32 weights
-// are widened to int16 and multiplied in pairs into int32 per instruction (AVX-512BW; plain C++
-// otherwise). A lane gains at most 2 * 32767 * 127 per 64 columns, so a chunk of 4096 columns fits
-// in int32; chunks are summed in int64.
+// The LM head (kernels.pack_int8): int8 rows times activations quantized per token to
+// int16 (int8 cost SmolLM2 0.011 nats of held-out loss), exact integer sums as in the
+// ternary path. 32 weights are widened to int16 and multiplied in pairs into int32 per
+// instruction (AVX-512BW; plain C++ otherwise). A lane gains at most 2 * 32767 * 127 per
+// 64 columns, so a chunk of 4096 columns fits in int32; chunks are summed in int64.
 float quantize16(const float* x, int64_t K, int16_t* q) {
   float amax = 0;
   for (int64_t k = 0; k < K; k++) amax = std::max(amax, std::fabs(x[k]));
-  const float s = (1.0f / std::max(amax, 1e-5f)) * 32767.0f;  // as kernels.quantize(x, 32767)
+  // as kernels.quantize(x, 32767)
+  const float s = (1.0f / std::max(amax, 1e-5f)) * 32767.0f;
   for (int64_t k = 0; k < K; k++) q[k] = (int16_t)std::nearbyint(x[k] * s);
   return s;
 }
@@ -330,9 +361,11 @@ int64_t dot16(const int16_t* x, const int8_t* w, int64_t Kp) {
 torch::Tensor linear_w8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, int64_t isa) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), Kp = w.size(1);
   auto xf = x.to(torch::kFloat).contiguous();
-  auto xq = torch::zeros({M, Kp}, x.options().dtype(torch::kShort));  // zero-padded, as the rows
+  // zero-padded, as the rows
+  auto xq = torch::zeros({M, Kp}, x.options().dtype(torch::kShort));
   std::vector<float> s(M);
-  for (int64_t m = 0; m < M; m++) s[m] = quantize16(xf.data_ptr<float>() + m * K, K, xq.data_ptr<int16_t>() + m * Kp);
+  for (int64_t m = 0; m < M; m++)
+    s[m] = quantize16(xf.data_ptr<float>() + m * K, K, xq.data_ptr<int16_t>() + m * Kp);
   auto sc = scale.to(torch::kFloat).contiguous();
   auto y = torch::empty({M, N}, xf.options());
   const int16_t* X = xq.data_ptr<int16_t>();
@@ -342,7 +375,8 @@ torch::Tensor linear_w8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, i
   auto dot = isa == 2 ? dot16_avx512 : dot16;
   at::parallel_for(0, N, std::max<int64_t>(1, 32768 / Kp), [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++)
-      for (int m = 0; m < M; m++) Y[m * N + n] = float(dot(X + m * Kp, W + n * Kp, Kp)) * (G[n] / s[m]);
+      for (int m = 0; m < M; m++)
+        Y[m * N + n] = float(dot(X + m * Kp, W + n * Kp, Kp)) * (G[n] / s[m]);
   });
   return y;
 }
@@ -362,15 +396,16 @@ def linear_cpp(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.T
 
 
 # ---------------------------------------------------------------- 4. CUDA kernel
-# Decode (up to 16 tokens) is a GEMV of a few microseconds: a dozen small torch ops around it
-# (absmax, scale, round, cast, pad, rescale) would cost ten times more. So the whole op is two
-# kernels. quantize_rows: one block per token finds absmax, then writes the int8 row, padded
-# with zeros to the packed K. ternary_gemv: one warp per weight row, each lane loading 16
-# bytes (64 weights) at a time so that a warp reads 512 contiguous bytes per step, unpacking
-# them in registers and multiplying four at a time with dp4a; it writes acc * (gamma / s)
-# with the same fp32 operations as _linear, so the result is bit-identical. This part needs
-# no torch headers, so it compiles with plain nvcc without a GPU, and runs on the CPU too under
-# a header that emulates CUDA's threads, barriers and shuffles (tests/test_cuda_emulated.py).
+# Decode (up to 16 tokens) is a GEMV of a few microseconds: a dozen small torch ops
+# around it (absmax, scale, round, cast, pad, rescale) would cost ten times more. So the
+# whole op is two kernels. quantize_rows: one block per token finds absmax, then writes
+# the int8 row, padded with zeros to the packed K. ternary_gemv: one warp per weight row,
+# each lane loading 16 bytes (64 weights) at a time so that a warp reads 512 contiguous
+# bytes per step, unpacking them in registers and multiplying four at a time with dp4a;
+# it writes acc * (gamma / s) with the same fp32 operations as _linear, so the result is
+# bit-identical. This part needs no torch headers, so it compiles with plain nvcc without
+# a GPU, and runs on the CPU too under a header that emulates CUDA's threads, barriers
+# and shuffles (tests/test_cuda_emulated.py).
 GEMV_CU = r"""
 #include <cstdint>
 
@@ -386,8 +421,10 @@ __global__ void quantize_rows(const float* __restrict__ x, int8_t* __restrict__ 
   for (int i = 0; i < blockDim.x / 32; i++) a = fmaxf(a, part[i]);
   const float sc = (1.f / fmaxf(a, 1e-5f)) * 127.f;  // as torch computes 127 / t
   if (threadIdx.x == 0) s[blockIdx.x] = sc;
-  for (int k = threadIdx.x; k < Kp; k += blockDim.x)  // round half to even, as torch.round
-    xq[(size_t)blockIdx.x * Kp + k] = k < K ? (int8_t)fminf(fmaxf(rintf(xr[k] * sc), -128.f), 127.f) : 0;
+  // round half to even, as torch.round
+  for (int k = threadIdx.x; k < Kp; k += blockDim.x)
+    xq[(size_t)blockIdx.x * Kp + k] =
+        k < K ? (int8_t)fminf(fmaxf(rintf(xr[k] * sc), -128.f), 127.f) : 0;
 }
 
 __global__ void ternary_gemv(const int8_t* __restrict__ x, const uint8_t* __restrict__ w,
@@ -407,12 +444,15 @@ __global__ void ternary_gemv(const int8_t* __restrict__ x, const uint8_t* __rest
         // bit pair i of word t: columns 256 (j / 4) + 64 i + 4 (4 (j % 4) + t) .. + 3
         const int q = __vsub4((words[t] >> 2 * i) & 0x03030303u, 0x01010101u);  // codes - 1
         const int col = 64 * (j / 4) + 16 * i + 4 * (j % 4) + t;  // in ints of 4 activations
-        for (int m = 0; m < 4 && m0 + m < M; m++) acc[m] = __dp4a(q, xw[(size_t)(m0 + m) * (Kp / 4) + col], acc[m]);
+        for (int m = 0; m < 4 && m0 + m < M; m++)
+          acc[m] = __dp4a(q, xw[(size_t)(m0 + m) * (Kp / 4) + col], acc[m]);
       }
   }
   for (int m = 0; m < 4 && m0 + m < M; m++) {
     for (int o = 16; o > 0; o /= 2) acc[m] += __shfl_down_sync(0xffffffffu, acc[m], o);
-    if (lane == 0) y[(size_t)(m0 + m) * N + n] = (float)acc[m] * (gamma[gs * n] / s[m0 + m]);  // M * N may pass 2^31
+    // M * N may pass 2^31
+    if (lane == 0)
+      y[(size_t)(m0 + m) * N + n] = (float)acc[m] * (gamma[gs * n] / s[m0 + m]);
   }
 }
 """
@@ -430,8 +470,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma) {
   auto s = torch::empty({M}, x.options());
   auto y = torch::empty({M, N}, x.options());
   auto stream = at::cuda::getCurrentCUDAStream();
-  quantize_rows<<<M, 256, 0, stream>>>(x.data_ptr<float>(), xq.data_ptr<int8_t>(), s.data_ptr<float>(), K, Kp);
-  const dim3 grid((N + 3) / 4, (M + 3) / 4);  // 4 warps (weight rows) per block of 128 threads
+  quantize_rows<<<M, 256, 0, stream>>>(x.data_ptr<float>(), xq.data_ptr<int8_t>(),
+                                       s.data_ptr<float>(), K, Kp);
+  // 4 warps (weight rows) per block of 128 threads
+  const dim3 grid((N + 3) / 4, (M + 3) / 4);
   ternary_gemv<<<grid, 128, 0, stream>>>(xq.data_ptr<int8_t>(), w.data_ptr<uint8_t>(),
                                          s.data_ptr<float>(), gamma.data_ptr<float>(),
                                          y.data_ptr<float>(), M, N, Kp, gamma.numel() > 1);
@@ -444,37 +486,43 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma) {
 def _cuda():
     from torch.utils.cpp_extension import load_inline
     decl = 'torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma);'
-    return load_inline('nanobitnet_cuda', decl, cuda_sources=GEMV_CU + LAUNCH_CU, functions=['linear'],
-                       extra_cuda_cflags=['-O3'])
+    return load_inline('nanobitnet_cuda', decl, cuda_sources=GEMV_CU + LAUNCH_CU,
+                       functions=['linear'], extra_cuda_cflags=['-O3'])
 
 
 def _int_mm(x_q, w):
-    # prefill is compute-bound: unpack once to int8 and let cuBLAS use the int8 tensor cores
+    # prefill is compute-bound: unpack once to int8, let cuBLAS use the int8 tensor cores
     return torch._int_mm(x_q, unpack(w, x_q.shape[1]).T)
 
 
 def linear_cuda(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
     (M, K), N = x.shape, w.shape[0]
-    if w.dtype == torch.int8 or (M > 16 and K % 8 == 0 and N % 8 == 0):  # int8: _linear's matmul
+    # int8: _linear's matmul
+    if w.dtype == torch.int8 or (M > 16 and K % 8 == 0 and N % 8 == 0):
         return _linear(_int_mm, x, w, gamma)
     return _cuda().linear(x, w.contiguous(), gamma)
 
 
-IMPLS = dict(reference=linear_reference, compile=linear_compile, cpp=linear_cpp, cuda=linear_cuda)
-# each one also as a custom op with a fake (shape-only) implementation, which torch.compile traces;
-# eager calls skip the op's Python dispatch, which costs as much as a small decode GEMV (~10 us)
+IMPLS = dict(reference=linear_reference, compile=linear_compile, cpp=linear_cpp,
+             cuda=linear_cuda)
+# each one also as a custom op with a fake (shape-only) implementation, which
+# torch.compile traces; eager calls skip the op's Python dispatch, which costs as much as
+# a small decode GEMV (~10 us)
 OPS = {name: torch.library.custom_op(f'nanobitnet::linear_{name}', fn, mutates_args=(),
-                                     device_types={'cpp': 'cpu', 'cuda': 'cuda'}.get(name)) for name, fn in IMPLS.items()}
+                                     device_types={'cpp': 'cpu', 'cuda': 'cuda'}.get(name))
+       for name, fn in IMPLS.items()}
 for op in OPS.values():
-    op.register_fake(lambda x, w, gamma: x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32))
+    op.register_fake(lambda x, w, gamma: x.new_empty(x.shape[0], w.shape[0],
+                                                     dtype=torch.float32))
 
 
 # ---------------------------------------------------------------- dispatch
 
-@torch.compiler.assume_constant_result  # torch.compile takes the choice as made, without tracing it
+# torch.compile takes the choice as made, without tracing it
+@torch.compiler.assume_constant_result
 def best(device_type):
-    """The fastest implementation that works on this machine, with a one-time notice when the
-    fast one cannot be built (no compiler, no CUDA toolkit, a CPU without AVX2)."""
+    """The fastest implementation that works on this machine, with a one-time notice when
+    the fast one cannot be built (no compiler, no CUDA toolkit, a CPU without AVX2)."""
     return choose(device_type)
 
 
@@ -489,7 +537,8 @@ def choose(device_type):
             _cuda()
             return 'cuda'
         if platform.machine().lower() not in ('x86_64', 'amd64'):
-            raise RuntimeError(f"the C++ kernel is x86-only and this is {platform.machine()}")
+            raise RuntimeError("the C++ kernel is x86-only and this is "
+                               f"{platform.machine()}")
         if not has_cxx:
             raise RuntimeError("no C++ compiler found (set CXX or install g++)")
         if not _cpp().simd():
@@ -502,13 +551,14 @@ def choose(device_type):
 
 
 def ternary_linear(x, w, gamma, impl=None):
-    """y = (x_q @ W_q^T) * gamma / s: x (..., K) float, w packed (N, Kp/4) (or int8 rows (N, Kp),
-    pack_int8), gamma (1,) or (N,) -> (..., N) in x's dtype, by `impl` (one of IMPLS) or the
-    fastest available."""
+    """y = (x_q @ W_q^T) * gamma / s: x (..., K) float, w packed (N, Kp/4) (or int8 rows
+    (N, Kp), pack_int8), gamma (1,) or (N,) -> (..., N) in x's dtype, by `impl`
+    (one of IMPLS) or the fastest available."""
     K, Kp = x.shape[-1], w.shape[1] * (1 if w.dtype == torch.int8 else 4)
     if not 0 <= Kp - K < BLOCK:
-        raise ValueError(f"activations have K={K} but the weights were packed for K={Kp - BLOCK + 1}.."
-                         f"{Kp}; pack W_q of shape (N, {K}) with kernels.pack")
+        raise ValueError(f"activations have K={K} but the weights were packed for "
+                         f"K={Kp - BLOCK + 1}..{Kp}; "
+                         f"pack W_q of shape (N, {K}) with kernels.pack")
     fn = (OPS if torch.compiler.is_compiling() else IMPLS)[impl or best(x.device.type)]
     y = fn(x.reshape(-1, K), w, gamma)  # (M, N) fp32
     return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])

@@ -1,17 +1,18 @@
 """
 LoRA: fine-tune a frozen model through small low-rank adapters (Hu et al. 2021).
 
-Each adapted linear keeps its weights W frozen and learns y = W x + (alpha / r) B A x, with A
-(r, in) random and B (out, r) zero, so training starts at the base model and B's first gradient
-(grad_y^T A x) is not zero. Around a frozen 2-bit ternary layer (bitlinear.PackedBitLinear) this
-is QLoRA (Dettmers et al. 2023) with 2-bit weights instead of 4-bit: the base takes 16x less
-memory than fp32 and has no gradients or optimizer state, so fine-tuning costs little more than
-inference. Merging B A into W_q would break its ternary values, so on a ternary base the
-adapters stay beside the packed weights; on an fp base `merge_lora` folds them in.
+Each adapted linear keeps its weights W frozen and learns y = W x + (alpha / r) B A x,
+with A (r, in) random and B (out, r) zero, so training starts at the base model and B's
+first gradient (grad_y^T A x) is not zero. Around a frozen 2-bit ternary layer
+(bitlinear.PackedBitLinear) this is QLoRA (Dettmers et al. 2023) with 2-bit weights
+instead of 4-bit: the base takes 16x less memory than fp32 and has no gradients or
+optimizer state, so fine-tuning costs little more than inference. Merging B A into W_q
+would break its ternary values, so on a ternary base the adapters stay beside the packed
+weights; on an fp base `merge_lora` folds them in.
 
-Files use PEFT's adapter layout (adapter_config.json + adapter_model.safetensors): our module
-names are PEFT's (`base_layer`, `lora_A`, `lora_B`) behind its prefix, so PEFT loads our adapters
-onto transformers' models and we load its adapters onto ours.
+Files use PEFT's adapter layout (adapter_config.json + adapter_model.safetensors): our
+module names are PEFT's (`base_layer`, `lora_A`, `lora_B`) behind its prefix, so PEFT
+loads our adapters onto transformers' models and we load its adapters onto ours.
 """
 import json
 import os
@@ -35,7 +36,8 @@ class LoRALinear(nn.Module):
         self.base_layer = base_layer
         self.rank, self.alpha = rank, alpha
         self.scaling = alpha / rank
-        self.lora_A = nn.Linear(base_layer.in_features, rank, bias=False)  # kaiming, as PEFT
+        # kaiming, as PEFT
+        self.lora_A = nn.Linear(base_layer.in_features, rank, bias=False)
         self.lora_B = nn.Linear(rank, base_layer.out_features, bias=False)
         nn.init.zeros_(self.lora_B.weight)
 
@@ -44,7 +46,8 @@ class LoRALinear(nn.Module):
 
 
 def add_lora(module, rank, alpha, targets=TARGETS):
-    """In place: wrap every child named in `targets` in a LoRALinear (freezing is the caller's)."""
+    """In place: wrap every child named in `targets` in a LoRALinear
+    (freezing is the caller's)."""
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if name in targets:
@@ -52,9 +55,19 @@ def add_lora(module, rank, alpha, targets=TARGETS):
     return module
 
 
+def attach_lora(model, rank, alpha, targets=TARGETS):
+    """QLoRA's set-up: a ternary model's BitLinears frozen to packed 2-bit layers, every
+    weight of the model frozen, and adapters on the `targets` of each block."""
+    if model.config.bitnet and not model.config.packed:
+        model = model.freeze()
+    add_lora(model.requires_grad_(False).layers, rank, alpha, targets)
+    return model
+
+
 def set_adapters(module, on):
-    """Switch every LoRA adapter on or off. Off (scaling 0, so they add exactly 0), the model is its
-    base, bit for bit: DPO's reference without a second copy of the model."""
+    """Switch every LoRA adapter on or off.
+    Off (scaling 0, so they add exactly 0), the model is its base, bit for bit: DPO's
+    reference without a second copy of the model."""
     for m in module.modules():
         if isinstance(m, LoRALinear):
             m.scaling = m.alpha / m.rank if on else 0.0
@@ -62,8 +75,9 @@ def set_adapters(module, on):
 
 @torch.no_grad()
 def merge_lora(module):
-    """In place: fold each adapter on an fp base into its weights, W += (alpha / r) B A, and unwrap
-    it: a plain model again. Adapters on ternary layers stay (W_q + B A would not be ternary)."""
+    """In place: fold each adapter on an fp base into its weights, W += (alpha / r) B A,
+    and unwrap it: a plain model again. Adapters on ternary layers stay
+    (W_q + B A would not be ternary)."""
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, LoRALinear) and type(child.base_layer) is nn.Linear:
@@ -76,24 +90,28 @@ def merge_lora(module):
 # ---------------------------------------------------------------- PEFT's adapter layout
 
 def adapter_state(layers):
-    """The adapters of a model's blocks (model.layers), keyed as in the blocks' state dict."""
+    """The adapters of a model's blocks (model.layers),
+    keyed as in the blocks' state dict."""
     return {k: v for k, v in layers.state_dict().items() if '.lora_' in k}
 
 
 def base_state(model):
-    """The model's state dict without its adapters: its base's, as the base's files hold it."""
+    """The model's state dict without its adapters:
+    its base's, as the base's files hold it."""
     state = model.state_dict()
-    return {k.replace('.base_layer.', '.'): v for k, v in state.items() if '.lora_' not in k}
+    return {k.replace('.base_layer.', '.'): v
+            for k, v in state.items() if '.lora_' not in k}
 
 
 def save_adapters(layers, path, rank, alpha, targets, base):
-    """Write the adapters of `layers` to the new directory `path` as PEFT does; `base` is the
-    directory of the model they adapt."""
+    """Write the adapters of `layers` to the new directory `path` as PEFT does; `base`
+    is the directory of the model they adapt."""
     weights = {PEFT_PREFIX + k: v for k, v in adapter_state(layers).items()}
     os.makedirs(path)
     save_file(weights, os.path.join(path, WEIGHTS), metadata={'format': 'pt'})
     config = dict(peft_type='LORA', task_type='CAUSAL_LM', r=rank, lora_alpha=alpha,
-                  target_modules=list(targets), base_model_name_or_path=os.path.abspath(base))
+                  target_modules=list(targets),
+                  base_model_name_or_path=os.path.abspath(base))
     with open(os.path.join(path, CONFIG), 'w') as f:
         json.dump(config, f)
 

@@ -19,10 +19,11 @@ ternary linears) BitNet b1.58 2B4T:
 - Module names are the Hugging Face ones (`q_proj`, `input_layernorm`, ...), so a
   checkpoint's tensors map onto ours by adding a `model.` prefix, and `save_pretrained`
   writes a directory that transformers opens as `LlamaForCausalLM` (fp) or
-  `BitNetForCausalLM` (ternary: latent weights quantized online, or, after `freeze()`, the
-  packed 2-bit weights of the offline format, which inference runs with kernels.py).
-- The forward takes a KV cache and a position for inference (engine.py), and fills a `feats`
-  dict with what distillation asks for (objectives.py); it always returns the logits.
+  `BitNetForCausalLM` (ternary: latent weights quantized online, or, after `freeze()`,
+  the packed 2-bit weights of the offline format, which inference runs with kernels.py).
+- The forward takes a KV cache and a position for inference (engine.py), and fills
+  a `feats` dict with what distillation asks for (objectives.py); it always returns
+  the logits.
 """
 import json
 import math
@@ -53,17 +54,22 @@ class ModelConfig:
     tie_embeddings: bool = True
     act: str = 'silu'            # 'silu' (Llama, SmolLM2) or 'relu2' (BitNet b1.58 2B4T)
     attention_bias: bool = False
-    subln: bool = False          # the two extra RMSNorms of BitNet (always on when bitnet)
+    subln: bool = False          # the two extra RMSNorms of BitNet
+                                 # (always on when bitnet)
     bitnet: bool = False         # attention/MLP linears are ternary BitLinear
-    lrc_rank: int = 0            # rank of the low-rank correction on each BitLinear (0: none)
-    packed: bool = False         # BitLinears frozen to 2-bit PackedBitLinears (inference only)
-    bos_token_id: int = None     # the tokenizer's; written to config.json even when None, since
-    eos_token_id: int = None     # transformers would otherwise assume its own (eos 2, a byte here)
+    lrc_rank: int = 0            # rank of the low-rank correction on each BitLinear
+                                 # (0: none)
+    packed: bool = False         # BitLinears frozen to 2-bit PackedBitLinears
+                                 # (inference only)
+    bos_token_id: int = None     # the tokenizer's; written to config.json even when
+    eos_token_id: int = None     # None, since transformers would otherwise assume its
+                                 # own (eos 2, a byte here)
 
     def __post_init__(self):
         self.head_dim = self.head_dim or self.n_embd // self.n_head
         if self.n_head % self.n_kv_head:
-            raise ValueError(f"n_head {self.n_head} is no multiple of n_kv_head {self.n_kv_head}")
+            raise ValueError(f"n_head {self.n_head} is no multiple of "
+                             f"n_kv_head {self.n_kv_head}")
         if self.act not in ('silu', 'relu2'):
             raise ValueError(f"act={self.act!r} is not supported; use 'silu' or 'relu2'")
 
@@ -72,7 +78,9 @@ class Attention(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.n_head = cfg.n_head
+        self.n_kv_head = cfg.n_kv_head
+        self.head_dim = cfg.head_dim
         C, bias = cfg.n_embd, cfg.attention_bias
         self.q_proj = nn.Linear(C, cfg.n_head * cfg.head_dim, bias=bias)
         self.k_proj = nn.Linear(C, cfg.n_kv_head * cfg.head_dim, bias=bias)
@@ -84,19 +92,24 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cache=None, pos=0, causal=True, qkv=None):
         B, T, _ = x.shape
         # (B, T, nh*hs), (B, T, nkv*hs) x2; in one call once fused (engine.fuse)
-        q, k, v = self.fused(x) if self.fused else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        if qkv is not None:  # hand the projections' outputs to attention-relation distillation
+        if self.fused:
+            q, k, v = self.fused(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        # hand the projections' outputs to attention-relation distillation
+        if qkv is not None:
             qkv += [q, k, v]
         # (B, T, nh*hs) -> (B, nh, T, hs); K and V have fewer (shared) heads under GQA
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:  # write this step's K/V, then attend over everything so far
+        # write this step's K/V, then attend over everything so far
+        if cache is not None:
             cache[0][:, :, pos:pos + T], cache[1][:, :, pos:pos + T] = k, v
             k, v = cache[0][:, :, :pos + T], cache[1][:, :, :pos + T]
-        # a single new token may look at the whole cache, so only a multi-token step is causal;
-        # causal=False is the bidirectional attention of masked diffusion
+        # a single new token may look at the whole cache, so only a multi-token step is
+        # causal; causal=False is the bidirectional attention of masked diffusion
         y = F.scaled_dot_product_attention(q, k, v, is_causal=causal and T > 1,
                                            enable_gqa=self.n_kv_head != self.n_head)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hs)
@@ -135,15 +148,19 @@ class Block(nn.Module):
 
 
 def rope_table(head_dim, max_seq_len, theta):
-    # the rotation angle of pair i at position t is t * theta^(-2i/d), in fp32 as in Llama
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    # the rotation angle of pair i at position t is t * theta^(-2i/d),
+    # in fp32 as in Llama
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / theta ** exponents
     angles = torch.outer(torch.arange(max_seq_len).float(), inv_freq)
-    angles = torch.cat((angles, angles), dim=-1)  # (T, hs): the "rotate half" layout of HF Llama
+    # (T, hs): the "rotate half" layout of HF Llama
+    angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x, cos, sin):
-    # x: (B, nh, T, hs). Pairs are (x[i], x[i + hs/2]), not adjacent elements, as in HF Llama.
+    # x: (B, nh, T, hs). Pairs are (x[i], x[i + hs/2]), not adjacent elements,
+    # as in HF Llama.
     x1, x2 = x.chunk(2, dim=-1)
     return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
 
@@ -156,9 +173,14 @@ class Transformer(nn.Module):
         self.grad_ckpt = False  # activation checkpointing, set by the trainer
         self.head8 = None  # the int8 head of engine.fuse
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        # packed (inference, LoRA): frozen block by block, its fp32 weights never all there at once
-        pack = cfg.packed and not cfg.lrc_rank  # (low-rank corrections are made on the whole model)
-        block = lambda: freeze(convert_to_bitnet(Block(cfg), cfg.norm_eps)) if pack else Block(cfg)
+        # packed (inference, LoRA): frozen block by block, its fp32 weights never all
+        # there at once (low-rank corrections are made on the whole model)
+        pack = cfg.packed and not cfg.lrc_rank
+
+        def block():
+            if pack:
+                return freeze(convert_to_bitnet(Block(cfg), cfg.norm_eps))
+            return Block(cfg)
         self.layers = nn.ModuleList(block() for _ in range(cfg.n_layer))
         self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
@@ -170,7 +192,8 @@ class Transformer(nn.Module):
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith(('o_proj.weight', 'down_proj.weight')):
-                # GPT-2's scaled init: each residual branch adds variance, so shrink the last layer
+                # GPT-2's scaled init: each residual branch adds variance,
+                # so shrink the last layer
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
         if cfg.bitnet:
             self.to_bitnet()
@@ -186,8 +209,9 @@ class Transformer(nn.Module):
             nn.init.zeros_(m.bias)
 
     def to_bitnet(self, calib=()):
-        """Swap every attention/MLP linear for a ternary BitLinear and insert SubLN: gain 1, or,
-        given a few batches of token ids `calib` (a pretrained model), gains calibrated on them."""
+        """Swap every attention/MLP linear for a ternary BitLinear and insert SubLN:
+        gain 1, or, given a few batches of token ids `calib` (a pretrained model), gains
+        calibrated on them."""
         convert_to_bitnet(self.layers, eps=self.config.norm_eps)
         self.config.bitnet = self.config.subln = True
         if calib:
@@ -195,7 +219,8 @@ class Transformer(nn.Module):
         return self
 
     def add_lrc(self, rank):
-        """Give every BitLinear a low-rank fp correction, initialised from its current weights."""
+        """Give every BitLinear a low-rank fp correction, initialised from its current
+        weights."""
         add_lrc(self.layers, rank)
         self.config.lrc_rank = rank
         return self
@@ -203,7 +228,8 @@ class Transformer(nn.Module):
     def freeze(self):
         """Inference only: keep just the 2-bit weights and gamma of every BitLinear."""
         if not self.config.bitnet:
-            raise ValueError("only a ternary model can be frozen; call to_bitnet(), train it first")
+            raise ValueError("only a ternary model can be frozen; "
+                             "call to_bitnet(), train it first")
         freeze(self.layers)
         self.config.packed = True
         return self
@@ -212,19 +238,22 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())  # tied weights are counted once
 
     def forward(self, idx, cache=None, pos=0, causal=True, feats=None):
-        """Logits (B, T, vocab), always. Distillation asks for more through `feats`, a dict filled
-        in place: feats['hidden'] (a list) gets every block's output, feats['qkv'] (a list) gets
-        the q, k and v projections of block feats['qkv_layer']."""
+        """Logits (B, T, vocab), always. Distillation asks for more through `feats`, a
+        dict filled in place: feats['hidden'] (a list) gets every block's output,
+        feats['qkv'] (a list) gets the q, k and v projections of block
+        feats['qkv_layer']."""
         B, T = idx.shape
         if pos + T > self.config.max_seq_len:
-            raise ValueError(f"{pos + T} tokens exceed max_seq_len={self.config.max_seq_len}")
+            raise ValueError(f"{pos + T} tokens exceed "
+                             f"max_seq_len={self.config.max_seq_len}")
         x = self.embed_tokens(idx)  # (B, T, C)
         cos, sin = self.cos[pos:pos + T].to(x.dtype), self.sin[pos:pos + T].to(x.dtype)
         feats = {} if feats is None else feats
         for i, block in enumerate(self.layers):
             qkv = feats['qkv'] if i == feats.get('qkv_layer') else None
             args = (x, cos, sin, None if cache is None else cache[i], pos, causal, qkv)
-            if self.grad_ckpt and self.training:  # keep block inputs; backward recomputes the rest
+            if self.grad_ckpt and self.training:
+                # keep block inputs; backward recomputes the rest
                 x = torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)
             else:
                 x = block(*args)
@@ -233,19 +262,22 @@ class Transformer(nn.Module):
         return (self.head8 or self.lm_head)(self.norm(x))  # (B, T, vocab)
 
     def flops_per_token(self, T):
-        # 6 flops per parameter per token (forward + backward) plus attention's QK^T and AV
+        # 6 flops per parameter per token (forward + backward)
+        # plus attention's QK^T and AV
         cfg = self.config
         return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
 
-    # ---------------------------------------------------------------- Hugging Face format
+    # ------------------------------------------------------------ Hugging Face format
 
     @classmethod
     def from_pretrained(cls, path, dtype=torch.float32):
-        """Load a Hugging Face Llama or BitNet checkpoint directory (online: latent weights;
-        offline: packed, loaded frozen): config.json plus model.safetensors, or shards listed in
-        model.safetensors.index.json. (data.resolve_model fetches a hub id into a directory.)"""
+        """Load a Hugging Face Llama or BitNet checkpoint directory (online: latent
+        weights; offline: packed, loaded frozen): config.json plus model.safetensors, or
+        shards listed in model.safetensors.index.json. (data.resolve_model fetches a hub
+        id into a directory.)"""
         if not os.path.isfile(os.path.join(path, 'config.json')):
-            raise FileNotFoundError(f"{path!r} is not a checkpoint directory (no config.json)")
+            raise FileNotFoundError(f"{path!r} is not a checkpoint directory "
+                                    "(no config.json)")
         with open(os.path.join(path, 'config.json')) as f:
             hf = json.load(f)
         model = cls(config_from_hf(hf))
@@ -261,13 +293,17 @@ class Transformer(nn.Module):
             try:
                 sd.update(load_file(file))
             except (OSError, SafetensorError) as e:
-                raise ValueError(f"cannot read {file} ({e}); download or save it again") from None
-        sd = {k.removeprefix('model.'): v.to(dtype) if v.is_floating_point() else v  # packed: uint8
+                raise ValueError(f"cannot read {file} ({e}); "
+                                 "download or save it again") from None
+        # packed: uint8, left as it is
+        sd = {k.removeprefix('model.'): v.to(dtype) if v.is_floating_point() else v
               for k, v in sd.items() if not k.endswith('rotary_emb.inv_freq')}
         if (hf.get('quantization_config') or {}).get('linear_class') == 'bitlinear':
-            for k in [k for k in sd if k.endswith('weight_scale')]:  # the old class: 1/gamma ...
+            # the old class: 1/gamma ...
+            for k in [k for k in sd if k.endswith('weight_scale')]:
                 bias = k.removesuffix('weight_scale') + 'bias'
-                if bias in sd:  # ... and adds the bias unscaled; ours is stored as bias / gamma
+                # ... and adds the bias unscaled; ours is stored as bias / gamma
+                if bias in sd:
                     sd[bias] = sd[bias] * sd[k]
                 sd[k] = 1 / sd[k]
         if tied := model.config.tie_embeddings:
@@ -276,69 +312,87 @@ class Transformer(nn.Module):
         missing, unexpected = own - sd.keys(), sd.keys() - own
         if missing or unexpected:
             raise ValueError(f"checkpoint {path!r} does not match its config.json: "
-                             f"missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
+                             f"missing {sorted(missing)[:3]}, "
+                             f"unexpected {sorted(unexpected)[:3]}")
         model.load_state_dict(sd, strict=False)
         return model.to(dtype)
 
     def save_pretrained(self, path, state_dict=None):
-        """Write config.json + model.safetensors that transformers loads as LlamaForCausalLM,
-        or as BitNetForCausalLM for a ternary model (latent weights quantized online; packed
-        2-bit weights, the offline format, once frozen)."""
+        """Write config.json + model.safetensors that transformers loads as
+        LlamaForCausalLM, or as BitNetForCausalLM for a ternary model (latent weights
+        quantized online; packed 2-bit weights, the offline format, once frozen)."""
         os.makedirs(path, exist_ok=True)
         sd = {('' if k.startswith('lm_head') else 'model.') + k: v.detach().contiguous()
               for k, v in (state_dict or self.state_dict()).items()}
         if self.config.tie_embeddings:
-            sd.pop('lm_head.weight')  # safetensors stores a tensor once; HF re-ties on load
+            # safetensors stores a tensor once; HF re-ties on load
+            sd.pop('lm_head.weight')
         save_file(sd, os.path.join(path, 'model.safetensors'), metadata={'format': 'pt'})
         with open(os.path.join(path, 'config.json'), 'w') as f:
-            json.dump(config_to_hf(self.config, next(self.parameters()).dtype), f, indent=2)
+            hf = config_to_hf(self.config, next(self.parameters()).dtype)
+            json.dump(hf, f, indent=2)
 
 
-HF_KEYS = dict(vocab_size='vocab_size', n_layer='num_hidden_layers', n_embd='hidden_size',
-               n_head='num_attention_heads', n_kv_head='num_key_value_heads', head_dim='head_dim',
+HF_KEYS = dict(vocab_size='vocab_size', n_layer='num_hidden_layers',
+               n_embd='hidden_size', n_head='num_attention_heads',
+               n_kv_head='num_key_value_heads', head_dim='head_dim',
                intermediate_size='intermediate_size', norm_eps='rms_norm_eps',
-               max_seq_len='max_position_embeddings', tie_embeddings='tie_word_embeddings',
-               act='hidden_act', attention_bias='attention_bias', lrc_rank='lrc_rank',
+               max_seq_len='max_position_embeddings',
+               tie_embeddings='tie_word_embeddings', act='hidden_act',
+               attention_bias='attention_bias', lrc_rank='lrc_rank',
                bos_token_id='bos_token_id', eos_token_id='eos_token_id')
 
 
 def config_from_hf(hf):
     kind = hf.get('model_type')
     if kind not in ('llama', 'bitnet', 'bitnet_lrc'):
-        raise ValueError(f"model_type {kind!r} is not supported; use a llama or bitnet checkpoint")
+        raise ValueError(f"model_type {kind!r} is not supported; "
+                         "use a llama or bitnet checkpoint")
     kind = 'bitnet' if kind == 'bitnet_lrc' else kind
     rope = hf.get('rope_parameters') or hf.get('rope_scaling') or {}
     if (scaling := rope.get('rope_type', rope.get('type', 'default'))) != 'default':
         raise ValueError(f"rope scaling {scaling!r} is not supported")
     if hf.get('mlp_bias'):
-        raise ValueError("mlp_bias=true is not supported; Llama-family MLPs here have no bias")
+        raise ValueError("mlp_bias=true is not supported; "
+                         "Llama-family MLPs here have no bias")
     quant = hf.get('quantization_config') or {}
-    mode, linear = quant.get('quantization_mode', 'online'), quant.get('linear_class', 'autobitlinear')
-    if kind == 'bitnet' and (mode not in ('online', 'offline') or linear not in ('autobitlinear', 'bitlinear')
+    mode = quant.get('quantization_mode', 'online')
+    linear = quant.get('linear_class', 'autobitlinear')
+    if kind == 'bitnet' and (mode not in ('online', 'offline')
+                             or linear not in ('autobitlinear', 'bitlinear')
                              or quant.get('use_rms_norm')):
-        raise ValueError(f"BitNet quantization_config {quant} is not supported; use linear_class 'autobitlinear' "
-                         "or 'bitlinear', quantization_mode 'online' or 'offline', no use_rms_norm")
-    kw = {ours: hf[theirs] for ours, theirs in HF_KEYS.items() if hf.get(theirs) is not None}
+        raise ValueError(f"BitNet quantization_config {quant} is not supported; use "
+                         "linear_class 'autobitlinear' or 'bitlinear', "
+                         "quantization_mode 'online' or 'offline', no use_rms_norm")
+    kw = {ours: hf[theirs] for ours, theirs in HF_KEYS.items()
+          if hf.get(theirs) is not None}
     kw['rope_theta'] = float(rope.get('rope_theta', hf.get('rope_theta', 10000.0)))
     kw.setdefault('tie_embeddings', False)  # the Llama default
     kw['bitnet'] = kw['subln'] = kind == 'bitnet'
-    kw['packed'] = kind == 'bitnet' and (mode == 'offline' or linear == 'bitlinear')  # always packed
+    # the old 'bitlinear' class is always packed
+    kw['packed'] = kind == 'bitnet' and (mode == 'offline' or linear == 'bitlinear')
     return ModelConfig(**kw)
 
 
 def config_to_hf(cfg, dtype):
     hf = {theirs: getattr(cfg, ours) for ours, theirs in HF_KEYS.items()}
-    hf.update(rope_theta=cfg.rope_theta, dtype=str(dtype).removeprefix('torch.'), mlp_bias=False,
+    hf.update(rope_theta=cfg.rope_theta, dtype=str(dtype).removeprefix('torch.'),
+              mlp_bias=False,
               rope_parameters={'rope_type': 'default', 'rope_theta': cfg.rope_theta},
               model_type='llama', architectures=['LlamaForCausalLM'])
     if cfg.bitnet:
         if cfg.head_dim * cfg.n_head != cfg.n_embd:
             raise ValueError("BitNetForCausalLM needs head_dim * n_head == n_embd")
+        mode = 'offline' if cfg.packed else 'online'
+        quant = {'quant_method': 'bitnet', 'linear_class': 'autobitlinear',
+                 'quantization_mode': mode}
         hf.update(model_type='bitnet', architectures=['BitNetForCausalLM'],
-                  quantization_config={'quant_method': 'bitnet', 'linear_class': 'autobitlinear',
-                                       'quantization_mode': 'offline' if cfg.packed else 'online'})
-        if cfg.lrc_rank:  # transformers has no low-rank corrections and would drop them silently:
-            hf.update(model_type='bitnet_lrc', architectures=['BitNetLRCForCausalLM'])  # it refuses
+                  quantization_config=quant)
+        if cfg.lrc_rank:
+            # transformers has no low-rank corrections and would drop them silently:
+            # it refuses
+            hf.update(model_type='bitnet_lrc', architectures=['BitNetLRCForCausalLM'])
     elif cfg.subln:
-        raise ValueError("an fp model with SubLN has no transformers class; convert it to BitNet")
+        raise ValueError("an fp model with SubLN has no transformers class; "
+                         "convert it to BitNet")
     return hf

@@ -11,18 +11,21 @@ training; an objective at weight 0 costs nothing, not even a forward pass.
 
 The losses:
 - `ce`         next-token cross-entropy on counted tokens (continued pretraining, SFT)
-- `kd`         logits distillation, forward KL at temperature T, times T^2 (Hinton et al. 2015);
-               dense, or sparse from a remote teacher's top-k logprobs
+- `kd`         logits distillation, forward KL at temperature T, times T^2
+               (Hinton et al. 2015); dense, or sparse from a remote teacher's
+               top-k logprobs
 - `attn`       attention-relation distillation (MiniLMv2, Wang et al. 2021) at one layer
 - `hidden`     hidden-state distillation: MSE of L2-normalised states, depths mapped
 - `diffusion`  masked-diffusion LM (MDLM, Sahoo et al. 2024; LLaDA, Nie et al. 2025)
-- `lrc`        low-rank correction: the student's block outputs regress onto the teacher's
-- `dpo`        direct preference optimisation (Rafailov et al. 2023), the teacher as reference
+- `lrc`        low-rank correction: the student's block outputs
+               regress onto the teacher's
+- `dpo`        direct preference optimisation (Rafailov et al. 2023),
+               the teacher as reference
 
 This file needs only torch (and requests for the remote teacher) and a model called like
-model.py's Transformer: model(idx, causal=..., feats=...) returns the logits and fills `feats`.
-Both teachers answer teacher(x, y, hidden, qkv_layer) with a dict: the local one its logits and
-features, the remote one its top-k logprobs.
+model.py's Transformer: model(idx, causal=..., feats=...) returns the logits and fills
+`feats`. Both teachers answer teacher(x, y, hidden, qkv_layer) with a dict: the local
+one its logits and features, the remote one its top-k logprobs.
 """
 import math
 import time
@@ -43,15 +46,16 @@ class Objective:
     features = {}  # e.g. {'hidden': True, 'qkv_layer': 2}
 
     def loss(self, batch, s, t):
-        """s, t: {'logits', 'hidden', 'qkv'} of student and teacher. Returns a scalar."""
+        """s, t: {'logits', 'hidden', 'qkv'} of student and teacher.
+        Returns a scalar."""
         raise NotImplementedError
 
 
 class LeanCrossEntropy(torch.autograd.Function):
-    """F.cross_entropy summed over the counted targets, keeping only the logits z for backward.
-    F.cross_entropy keeps their log-softmax too, and its backward makes two more (tokens, vocab)
-    tensors; here backward makes one, softmax(z) - onehot(y): two fewer at the peak, 384 MiB at
-    SmolLM2's vocab and 1024 tokens."""
+    """F.cross_entropy summed over the counted targets, keeping only the logits z for
+    backward. F.cross_entropy keeps their log-softmax too, and its backward makes two
+    more (tokens, vocab) tensors; here backward makes one, softmax(z) - onehot(y): two
+    fewer at the peak, 384 MiB at SmolLM2's vocab and 1024 tokens."""
 
     @staticmethod
     def forward(ctx, z, y):
@@ -62,13 +66,15 @@ class LeanCrossEntropy(torch.autograd.Function):
     def backward(ctx, g):
         z, y = ctx.saved_tensors
         keep = (y != IGNORE).unsqueeze(1)
-        grad = torch.softmax(z, -1).scatter_add_(1, y.clamp(min=0).unsqueeze(1), -keep.to(z.dtype))
+        index = y.clamp(min=0).unsqueeze(1)
+        grad = torch.softmax(z, -1).scatter_add_(1, index, -keep.to(z.dtype))
         return grad.mul_(g * keep), None
 
 
 def ce_loss(logits, y, reduction='mean'):
-    """Cross-entropy over the counted targets (IGNORE marks the rest): their mean or their sum. With none
-    counted (an SFT window holding only a prompt) the mean is 0, with a zero gradient, instead of 0/0."""
+    """Cross-entropy over the counted targets (IGNORE marks the rest): their mean or
+    their sum. With none counted (an SFT window holding only a prompt) the mean is 0,
+    with a zero gradient, instead of 0/0."""
     loss = LeanCrossEntropy.apply(logits.float().flatten(0, 1), y.flatten())
     return loss if reduction == 'sum' else loss / (y != IGNORE).sum().clamp(min=1)
 
@@ -81,14 +87,15 @@ class CrossEntropy(Objective):
 
 def kd_per_token(z_s, z_t, T):
     """T^2 * KL(p_t || p_s) for every position, p = softmax(z / T): (B, T_len)."""
-    log_ps, log_pt = F.log_softmax(z_s.float() / T, -1), F.log_softmax(z_t.float() / T, -1)
+    log_ps = F.log_softmax(z_s.float() / T, -1)
+    log_pt = F.log_softmax(z_t.float() / T, -1)
     return T * T * (log_pt.exp() * (log_pt - log_ps)).sum(-1)
 
 
 class LogitsKD(Objective):
     """Forward KL from the teacher's distribution. A remote teacher sends only its top-k
-    logprobs: renormalise those over the k tokens (after dividing by T) and compare with the
-    student's log-softmax over the full vocabulary, taken at the same k token ids."""
+    logprobs: renormalise those over the k tokens (after dividing by T) and compare with
+    the student's log-softmax over the full vocabulary, taken at the same k token ids."""
     needs_teacher = True
 
     def __init__(self, temperature=5.0):
@@ -99,15 +106,19 @@ class LogitsKD(Objective):
         if 'logits' in t:
             per_token = kd_per_token(s['logits'], t['logits'], self.T)
         else:
-            log_pt = F.log_softmax(t['topk_logprobs'].float() / self.T, -1)          # (B, T, k)
-            log_ps = F.log_softmax(s['logits'].float() / self.T, -1).gather(-1, t['topk_ids'])
-            p = log_pt.exp()  # 0 where fewer than k logprobs came (-inf padding): 0 * log 0 counts as 0
-            per_token = self.T ** 2 * (p * (log_pt - log_ps).masked_fill(p == 0, 0)).sum(-1)
+            log_pt = F.log_softmax(t['topk_logprobs'].float() / self.T, -1)  # (B, T, k)
+            log_ps_all = F.log_softmax(s['logits'].float() / self.T, -1)
+            log_ps = log_ps_all.gather(-1, t['topk_ids'])
+            # 0 where fewer than k logprobs came (-inf padding): 0 * log 0 counts as 0
+            p = log_pt.exp()
+            kl = (p * (log_pt - log_ps).masked_fill(p == 0, 0)).sum(-1)
+            per_token = self.T ** 2 * kl
         return (per_token * counted).sum() / counted.sum().clamp(min=1)
 
 
 def relations(a, heads, normalize):
-    """(B, T, W) projections -> (B, r, T, T) log relation matrices over r relation heads."""
+    """(B, T, W) projections -> (B, r, T, T) log relation matrices
+    over r relation heads."""
     B, T, W = a.shape
     if W % heads:
         raise ValueError(f"attn_heads={heads} must divide the width {W} of Q, K and V")
@@ -115,7 +126,9 @@ def relations(a, heads, normalize):
     if normalize:  # the official BitDistill trainer: cosine similarities at tau = 1
         a = F.normalize(a, dim=-1)
         return (a @ a.transpose(-1, -2)).log_softmax(-1)
-    return (a @ a.transpose(-1, -2) / math.sqrt(W // heads)).log_softmax(-1)  # MiniLMv2 / the paper
+    # MiniLMv2 / the paper
+    scores = a @ a.transpose(-1, -2) / math.sqrt(W // heads)
+    return scores.log_softmax(-1)
 
 
 class AttentionRelationKD(Objective):
@@ -127,21 +140,26 @@ class AttentionRelationKD(Objective):
         self.layer, self.heads, self.normalize = layer, heads, normalize
 
     def bind(self, n_layer, n_layer_teacher):
-        # layer -1 is the last one; with a teacher of another depth, the same relative depth
+        # layer -1 is the last one;
+        # with a teacher of another depth, the same relative depth
         s = self.layer % n_layer
-        self.features = {'qkv_layer': s, 'teacher_qkv_layer': depth_map(n_layer, n_layer_teacher)[s]}
+        t = depth_map(n_layer, n_layer_teacher)[s]
+        self.features = {'qkv_layer': s, 'teacher_qkv_layer': t}
 
     def loss(self, batch, s, t):
         total = 0.0
         for a_s, a_t in zip(s['qkv'], t['qkv']):
-            r_s, r_t = relations(a_s, self.heads, self.normalize), relations(a_t, self.heads, self.normalize)
+            r_s = relations(a_s, self.heads, self.normalize)
+            r_t = relations(a_t, self.heads, self.normalize)
             total = total + (r_t.exp() * (r_t - r_s)).sum(-1).mean()
         return total
 
 
 def depth_map(n_student, n_teacher):
-    """Student block i learns from the teacher block at the same relative depth (rounded up)."""
-    return [((i + 1) * n_teacher + n_student - 1) // n_student - 1 for i in range(n_student)]
+    """Student block i learns from the teacher block at the same relative depth
+    (rounded up)."""
+    return [((i + 1) * n_teacher + n_student - 1) // n_student - 1
+            for i in range(n_student)]
 
 
 class HiddenStateKD(Objective):
@@ -149,31 +167,41 @@ class HiddenStateKD(Objective):
     features = {'hidden': True}
 
     def loss(self, batch, s, t):
-        pairs = zip(s['hidden'], (t['hidden'][j] for j in depth_map(len(s['hidden']), len(t['hidden']))))
-        return sum(F.mse_loss(F.normalize(h_s.float(), dim=-1), F.normalize(h_t.float(), dim=-1))
-                   for h_s, h_t in pairs) / len(s['hidden'])
+        depths = depth_map(len(s['hidden']), len(t['hidden']))
+        pairs = zip(s['hidden'], (t['hidden'][j] for j in depths))
+        total = 0
+        for h_s, h_t in pairs:
+            n_s = F.normalize(h_s.float(), dim=-1)
+            n_t = F.normalize(h_t.float(), dim=-1)
+            total = total + F.mse_loss(n_s, n_t)
+        return total / len(s['hidden'])
 
 
 class LRCReconstruction(Objective):
-    """Train the low-rank corrections (bitlinear.add_lrc) so that each student block's output
-    matches the fp teacher's block output (MSE). Teacher and student share their depth."""
+    """Train the low-rank corrections (bitlinear.add_lrc) so that each student block's
+    output matches the fp teacher's block output (MSE).
+    Teacher and student share their depth."""
     needs_teacher = True
     features = {'hidden': True}
 
     def loss(self, batch, s, t):
         if len(s['hidden']) != len(t['hidden']):
-            raise ValueError("lrc needs a teacher with the student's depth (the student's own fp weights)")
-        return sum(F.mse_loss(h_s.float(), h_t.float()) for h_s, h_t in zip(s['hidden'], t['hidden'])) / len(s['hidden'])
+            raise ValueError("lrc needs a teacher with the student's depth "
+                             "(the student's own fp weights)")
+        pairs = zip(s['hidden'], t['hidden'])
+        total = sum(F.mse_loss(h_s.float(), h_t.float()) for h_s, h_t in pairs)
+        return total / len(s['hidden'])
 
 
 class MaskedDiffusion(Objective):
-    """Masked-diffusion LM. Per sequence draw t ~ U(0, 1) and mask each counted token with
-    probability p = (1 - eps) t + eps, using a dedicated mask id. The model sees the masked
-    sequence with bidirectional attention and must recover the masked tokens; the loss is
-    sum over masked tokens of CE / p, divided by the number of counted tokens, an unbiased
-    bound on the likelihood (a fixed 15% mask without 1/p would be BERT). A causal checkpoint
-    predicts token i at position i - 1, so we keep that shift (DiffuLLaMA, Dream). Tokens that
-    do not count (SFT prompts) are never masked: they are the condition."""
+    """Masked-diffusion LM. Per sequence draw t ~ U(0, 1) and mask each counted token
+    with probability p = (1 - eps) t + eps, using a dedicated mask id. The model sees
+    the masked sequence with bidirectional attention and must recover the masked tokens;
+    the loss is sum over masked tokens of CE / p, divided by the number of counted
+    tokens, an unbiased bound on the likelihood (a fixed 15% mask without 1/p would be
+    BERT). A causal checkpoint predicts token i at position i - 1, so we keep that shift
+    (DiffuLLaMA, Dream). Tokens that do not count (SFT prompts) are never masked: they
+    are the condition."""
     own_forward = True
 
     def __init__(self, mask_id, eps=1e-3):
@@ -188,13 +216,15 @@ class MaskedDiffusion(Objective):
         p = (1 - self.eps) * torch.rand(B, 1, device=x.device) + self.eps      # (B, 1)
         masked = counted & (torch.rand(B, T, device=x.device) < p)
         logits = model(torch.where(masked, self.mask_id, x), causal=False)
-        ce = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), x[:, 1:].flatten(), reduction='none').view(B, T - 1)
+        z = logits[:, :-1].float().flatten(0, 1)
+        ce = F.cross_entropy(z, x[:, 1:].flatten(), reduction='none').view(B, T - 1)
         return (ce * masked[:, 1:] / p).sum() / counted.sum().clamp(min=1)
 
 
 def sequence_logprob(logits, y):
     """Sum of log p(y_i) over the counted tokens of each sequence: (B,)."""
-    logp = F.log_softmax(logits.float(), -1).gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    index = y.clamp(min=0).unsqueeze(-1)
+    logp = F.log_softmax(logits.float(), -1).gather(-1, index).squeeze(-1)
     return (logp * (y != IGNORE)).sum(-1)
 
 
@@ -203,8 +233,8 @@ def dpo_loss(pi_w, pi_l, ref_w, ref_l, beta):
 
 
 class DPO(Objective):
-    """batch['pairs'] = (x_w, y_w, x_l, y_l): chosen and rejected answers, prompts IGNOREd in y.
-    The frozen teacher is the reference policy."""
+    """batch['pairs'] = (x_w, y_w, x_l, y_l): chosen and rejected answers, prompts
+    IGNOREd in y. The frozen teacher is the reference policy."""
     needs_teacher = own_forward = True
 
     def __init__(self, beta=0.1):
@@ -219,41 +249,45 @@ class DPO(Objective):
         return dpo_loss(pi[:n], pi[n:], ref[:n], ref[n:], self.beta)
 
 
-OBJECTIVES = {'ce': CrossEntropy, 'kd': LogitsKD, 'attn': AttentionRelationKD, 'hidden': HiddenStateKD,
-              'lrc': LRCReconstruction, 'diffusion': MaskedDiffusion, 'dpo': DPO}
+OBJECTIVES = {'ce': CrossEntropy, 'kd': LogitsKD, 'attn': AttentionRelationKD,
+              'hidden': HiddenStateKD, 'lrc': LRCReconstruction,
+              'diffusion': MaskedDiffusion, 'dpo': DPO}
 
 
 class CurriculumScheduler:
-    """Phases [(end, {name: weight}), ...] with `end` a fraction of training, increasing to
-    1. 'switch' holds each phase's weights until its end; 'linear' and 'cosine' move from
-    a phase's weights at its start to the next phase's weights at its end, so the weights
-    are continuous. A name missing from a phase weighs 0 there."""
+    """Phases [(end, {name: weight}), ...] with `end` a fraction of training, increasing
+    to 1. 'switch' holds each phase's weights until its end; 'linear' and 'cosine' move
+    from a phase's weights at its start to the next phase's weights at its end, so the
+    weights are continuous. A name missing from a phase weighs 0 there."""
 
     def __init__(self, phases, blend='switch'):
         if blend not in ('switch', 'linear', 'cosine'):
             raise ValueError(f"blend={blend!r}; use 'switch', 'linear' or 'cosine'")
         ends = [end for end, _ in phases]
         if not phases or ends != sorted(ends) or ends[-1] < 1:
-            raise ValueError(f"curriculum phase ends {ends} must increase and the last must be 1.0")
+            raise ValueError(f"curriculum phase ends {ends} must increase "
+                             f"and the last must be 1.0")
         self.phases, self.blend = phases, blend
         self.names = sorted({name for _, w in phases for name in w})
 
     def weights(self, progress):
-        k = next((i for i, (end, _) in enumerate(self.phases) if progress < end), len(self.phases) - 1)
+        last = len(self.phases) - 1
+        k = next((i for i, (end, _) in enumerate(self.phases) if progress < end), last)
         here = self.phases[k][1]
-        if self.blend == 'switch' or k == len(self.phases) - 1:
+        if self.blend == 'switch' or k == last:
             return {n: float(here.get(n, 0.0)) for n in self.names}
         start, end = self.phases[k - 1][0] if k else 0.0, self.phases[k][0]
         a = (progress - start) / (end - start)
         if self.blend == 'cosine':
             a = 0.5 - 0.5 * math.cos(math.pi * a)
         after = self.phases[k + 1][1]
-        return {n: (1 - a) * here.get(n, 0.0) + a * after.get(n, 0.0) for n in self.names}
+        return {n: (1 - a) * here.get(n, 0.0) + a * after.get(n, 0.0)
+                for n in self.names}
 
 
 def run_model(model, x, hidden=False, qkv_layer=None):
-    """One forward pass: {'logits'}, plus every block's output ('hidden') and the q, k, v of one
-    block ('qkv') when asked for."""
+    """One forward pass: {'logits'}, plus every block's output ('hidden')
+    and the q, k, v of one block ('qkv') when asked for."""
     feats = {'hidden': []} if hidden else {}
     if qkv_layer is not None:
         feats.update(qkv=[], qkv_layer=qkv_layer)
@@ -272,12 +306,19 @@ class LocalTeacher:
     @torch.no_grad()
     def __call__(self, x, y, hidden=False, qkv_layer=None):
         out = run_model(self.model, x.to(self.device), hidden, qkv_layer)
-        return {k: v.to(x.device) if torch.is_tensor(v) else [t.to(x.device) for t in v] for k, v in out.items()}
+        back = {}
+        for k, v in out.items():
+            if torch.is_tensor(v):
+                back[k] = v.to(x.device)
+            else:
+                back[k] = [t.to(x.device) for t in v]
+        return back
 
 
 class BaseTeacher(LocalTeacher):
-    """A LoRA student's frozen base as the teacher (DPO's reference): the student itself with its
-    adapters switched off by `switch(model, on)` (bitlinear.set_adapters), so the model is held once."""
+    """A LoRA student's frozen base as the teacher (DPO's reference): the student itself
+    with its adapters switched off by `switch(model, on)` (bitlinear.set_adapters),
+    so the model is held once."""
 
     def __init__(self, model, switch):
         self.model, self.switch, self.n_layer = model, switch, len(model.layers)
@@ -292,70 +333,84 @@ class BaseTeacher(LocalTeacher):
 
 class RemoteTeacher:
     """A vLLM server (OpenAI-compatible API). Per sequence we POST the token ids with
-    prompt_logprobs=k; entry i of the answer holds the top-k of P(token_i | tokens < i), so
-    student position i (which predicts token i + 1) lines up with entry i + 1. We send the
-    targets' last token too, so every student position gets its entry."""
+    prompt_logprobs=k; entry i of the answer holds the top-k of P(token_i | tokens < i),
+    so student position i (which predicts token i + 1) lines up with entry i + 1. We
+    send the targets' last token too, so every student position gets its entry."""
 
     def __init__(self, url, model, top_k=20, timeout=60.0, retries=3, backoff=1.0):
-        self.url, self.model, self.top_k = url.rstrip('/') + '/v1/completions', model, top_k
+        self.url = url.rstrip('/') + '/v1/completions'
+        self.model, self.top_k = model, top_k
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.n_layer = None
 
     def post(self, ids):
-        body = {'model': self.model, 'prompt': ids, 'max_tokens': 1, 'temperature': 0, 'prompt_logprobs': self.top_k}
+        body = {'model': self.model, 'prompt': ids, 'max_tokens': 1, 'temperature': 0,
+                'prompt_logprobs': self.top_k}
         for attempt in range(self.retries + 1):
             try:
                 r = requests.post(self.url, json=body, timeout=self.timeout)
                 r.raise_for_status()
                 entries = r.json()['choices'][0]['prompt_logprobs']
                 if len(entries) != len(ids):
-                    raise ValueError(f"{len(entries)} prompt_logprobs for {len(ids)} tokens")
+                    raise ValueError(f"{len(entries)} prompt_logprobs "
+                                     f"for {len(ids)} tokens")
                 return entries
-            except (requests.RequestException, ValueError, KeyError, IndexError, TypeError) as e:
+            except (requests.RequestException, ValueError, KeyError, IndexError,
+                    TypeError) as e:
                 error = e
                 if attempt < self.retries:
                     time.sleep(self.backoff * 2 ** attempt)
-        raise RuntimeError(f"teacher server {self.url} failed after {self.retries + 1} tries ({error}); "
-                           f"check that vLLM serves {self.model!r} there, with --max-logprobs >= {self.top_k}")
+        raise RuntimeError(f"teacher server {self.url} failed after {self.retries + 1} "
+                           f"tries ({error}); check that vLLM serves {self.model!r} "
+                           f"there, with --max-logprobs >= {self.top_k}")
 
     def __call__(self, x, y, hidden=False, qkv_layer=None):
-        """Top-k logprobs only (the manager refuses objectives that want features from a server)."""
+        """Top-k logprobs only
+        (the manager refuses objectives that want features from a server)."""
         B, T = x.shape
         ids = torch.zeros(B, T, self.top_k, dtype=torch.long)
         logprobs = torch.full((B, T, self.top_k), -float('inf'))
         seqs = torch.cat((x, y[:, -1:].clamp(min=0)), dim=1).tolist()
         for b, seq in enumerate(seqs):
-            for i, entry in enumerate(self.post(seq)[1:]):  # entry i + 1 -> student position i
-                top = sorted(entry.items(), key=lambda kv: -kv[1]['logprob'])[:self.top_k]
+            # entry i + 1 -> student position i
+            for i, entry in enumerate(self.post(seq)[1:]):
+                ranked = sorted(entry.items(), key=lambda kv: -kv[1]['logprob'])
+                top = ranked[:self.top_k]
                 ids[b, i, :len(top)] = torch.tensor([int(k) for k, _ in top])
                 logprobs[b, i, :len(top)] = torch.tensor([v['logprob'] for _, v in top])
         return {'topk_ids': ids.to(x.device), 'topk_logprobs': logprobs.to(x.device)}
 
 
 class ObjectiveManager:
-    """Runs one training micro-step's objectives: one shared student forward with the union of
-    the features the active objectives want, one teacher forward if any of them needs it, each
-    own-forward objective, and the weighted sum."""
+    """Runs one training micro-step's objectives: one shared student forward with the
+    union of the features the active objectives want, one teacher forward if any of them
+    needs it, each own-forward objective, and the weighted sum."""
 
     def __init__(self, objectives, curriculum, teacher=None, n_layer=None):
         self.objectives, self.curriculum, self.teacher = objectives, curriculum, teacher
+        remote = isinstance(teacher, RemoteTeacher)
+        local = isinstance(teacher, LocalTeacher)
         for name, obj in objectives.items():
             if obj.needs_teacher and teacher is None:
-                raise ValueError(f"objective {name!r} needs a teacher; set teacher= in the config")
-            if isinstance(teacher, RemoteTeacher) and (obj.features or obj.own_forward) and obj.needs_teacher:
-                raise ValueError(f"objective {name!r} needs a local teacher; a remote one sends logprobs only")
+                raise ValueError(f"objective {name!r} needs a teacher; "
+                                 f"set teacher= in the config")
+            if remote and (obj.features or obj.own_forward) and obj.needs_teacher:
+                raise ValueError(f"objective {name!r} needs a local teacher; "
+                                 f"a remote one sends logprobs only")
             if hasattr(obj, 'bind'):
-                obj.bind(n_layer, teacher.n_layer if isinstance(teacher, LocalTeacher) else n_layer)
+                obj.bind(n_layer, teacher.n_layer if local else n_layer)
         missing = set(curriculum.names) - set(objectives)
         if missing:
-            raise ValueError(f"the curriculum weighs {sorted(missing)} but objectives only has {sorted(objectives)}")
+            raise ValueError(f"the curriculum weighs {sorted(missing)} "
+                             f"but objectives only has {sorted(objectives)}")
 
 
     def __call__(self, model, batch, progress):
         weights = self.curriculum.weights(progress)
         active = {n: o for n, o in self.objectives.items() if weights.get(n, 0.0) > 0}
         if not active:
-            raise ValueError(f"no objective weighs more than 0 at {progress:.0%} of training; fix the curriculum")
+            raise ValueError(f"no objective weighs more than 0 at {progress:.0%} "
+                             f"of training; fix the curriculum")
         shared = [o for o in active.values() if not o.own_forward]
         want = {k: v for o in shared for k, v in o.features.items()}
         hidden, layer = want.get('hidden', False), want.get('qkv_layer')
@@ -364,8 +419,11 @@ class ObjectiveManager:
             s = run_model(model, batch['x'], hidden, layer)
             t = None
             if any(o.needs_teacher for o in shared):
-                t = self.teacher(batch['x'], batch['y'], hidden, want.get('teacher_qkv_layer'))
-            losses = {n: o.loss(batch, s, t) for n, o in active.items() if not o.own_forward}
+                t_layer = want.get('teacher_qkv_layer')
+                t = self.teacher(batch['x'], batch['y'], hidden, t_layer)
+            for n, o in active.items():
+                if not o.own_forward:
+                    losses[n] = o.loss(batch, s, t)
         for n, o in active.items():
             if o.own_forward:
                 losses[n] = o.run(model, self.teacher, batch)

@@ -1,51 +1,67 @@
 """
-Optimisation: what a training step needs besides the losses, each a plain function of its
-inputs, so that train.py stays a spine and each piece is read and tested alone.
+Optimisation: what a training step needs besides the losses, each a plain function of
+its inputs, so that train.py stays a spine and each piece is read and tested alone.
 
-- Parameter groups with their own LRs: the hidden matrices, the embedding, an untied head, and
-  the scalars (norm gains, biases), which are never decayed.
-- AdamW, or Muon (Jordan et al. 2024) for the hidden matrices: it orthogonalises each update
-  with a Newton-Schulz iteration; and ZeRO-1 (Rajbhandari et al. 2020), each rank keeping the
-  optimizer state of its share of the parameters.
-- LR schedules: warmup, then cosine, linear, constant, warmup-stable-decay, or BitNet b1.58's
-  two stages.
-- ZClip (Kumar et al. 2025): adaptive clipping of gradient-norm spikes by their z-score.
+- Parameter groups with their own LRs: the hidden matrices, the embedding, an untied
+  head, and the scalars (norm gains, biases), which are never decayed.
+- AdamW, or Muon (Jordan et al. 2024) for the hidden matrices: it orthogonalises each
+  update with a Newton-Schulz iteration; and ZeRO-1 (Rajbhandari et al. 2020), each rank
+  keeping the optimizer state of its share of the parameters.
+- LR schedules: warmup, then cosine, linear, constant, warmup-stable-decay, or BitNet
+  b1.58's two stages.
+- Gradient clipping, fixed or by ZClip (Kumar et al. 2025): adaptive clipping of
+  gradient-norm spikes by their z-score.
 - The LR range test (Smith 2017), and the largest batch that fits on a GPU.
+- The scores by which data.Loader.reweight remixes a data mixture.
 """
 import math
+import os
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+
+from hub import Progress
 
 SCHEDULES = ('cosine', 'linear', 'constant', 'wsd', 'two_stage')
 
 
 def param_groups(model, lr, weight_decay, embed_lr=0.0, head_lr=0.0, scalar_lr=0.0):
-    """Groups with their own base LRs (0: lr): the hidden matrices (2-D, in the blocks), the
-    embedding, an untied head, and the scalars (norm gains, biases), which are never decayed.
-    Frozen parameters (a LoRA base) are left out: no optimizer state for them."""
+    """Groups with their own base LRs (0: lr): the hidden matrices (2-D, in the
+    blocks), the embedding, an untied head, and the scalars (norm gains, biases), which
+    are never decayed. Frozen parameters (a LoRA base) are left out: no optimizer state
+    for them."""
     groups = {'hidden': [], 'embed': [], 'head': [], 'scalar': []}
     for name, p in ((n, p) for n, p in model.named_parameters() if p.requires_grad):
-        kind = 'scalar' if p.dim() < 2 else {'embed_tokens': 'embed', 'lm_head': 'head'}.get(name.split('.')[0], 'hidden')
+        module = name.split('.')[0]
+        if p.dim() < 2:
+            kind = 'scalar'
+        else:
+            kind = {'embed_tokens': 'embed', 'lm_head': 'head'}.get(module, 'hidden')
         groups[kind].append(p)
     lrs = {'hidden': lr, 'embed': embed_lr, 'head': head_lr, 'scalar': scalar_lr}
-    return [{'params': ps, 'name': n, 'base_lr': lrs[n] or lr, 'weight_decay': 0.0 if n == 'scalar' else weight_decay}
+    return [{'params': ps, 'name': n, 'base_lr': lrs[n] or lr,
+             'weight_decay': 0.0 if n == 'scalar' else weight_decay}
             for n, ps in groups.items() if ps]
 
 
 def make_optimizers(groups, kind='adamw', lr=1e-3, betas=(0.9, 0.95), zero1=False):
-    """AdamW for every group, or Muon for the hidden matrices: it orthogonalises each update
-    (Newton-Schulz), scaled by match_rms_adamw to take an AdamW-sized LR; the rest stays on AdamW.
-    zero1: each rank keeps and updates the optimizer state of its share of the parameters."""
+    """AdamW for every group, or Muon for the hidden matrices: it orthogonalises each
+    update (Newton-Schulz), scaled by match_rms_adamw to take an AdamW-sized LR; the
+    rest stays on AdamW. zero1: each rank keeps and updates the optimizer state of its
+    share of the parameters."""
     if kind not in ('adamw', 'muon'):
         raise ValueError(f"optimizer={kind!r}; use adamw or muon")
-    made = [(torch.optim.AdamW, [g for g in groups if kind == 'adamw' or g['name'] != 'hidden'],
-             dict(lr=lr, betas=betas))]
+    rest = [g for g in groups if kind == 'adamw' or g['name'] != 'hidden']
+    made = [(torch.optim.AdamW, rest, dict(lr=lr, betas=betas))]
     if kind == 'muon':
-        made.append((torch.optim.Muon, [g for g in groups if g['name'] == 'hidden'],
-                     dict(lr=lr, momentum=0.95, nesterov=True, adjust_lr_fn='match_rms_adamw')))
+        hidden = [g for g in groups if g['name'] == 'hidden']
+        args = dict(lr=lr, momentum=0.95, nesterov=True, adjust_lr_fn='match_rms_adamw')
+        made.append((torch.optim.Muon, hidden, args))
     if zero1:
-        return [ZeroRedundancyOptimizer(g, optimizer_class=cls, **kw) for cls, g, kw in made]
+        return [ZeroRedundancyOptimizer(g, optimizer_class=cls, **kw)
+                for cls, g, kw in made]
     return [cls(g, **kw) for cls, g, kw in made]
 
 
@@ -57,8 +73,8 @@ def set_lr(optimizers, factor):
 
 
 def optimizer_step(optimizers, scaler, skip=False):
-    """Each optimizer's step (none when skipped: a non-finite step), the fp16 gradient scaler's
-    update, and the gradients cleared for the next step."""
+    """Each optimizer's step (none when skipped: a non-finite step), the fp16 gradient
+    scaler's update, and the gradients cleared for the next step."""
     for opt in optimizers:
         if not skip:
             scaler.step(opt)
@@ -66,11 +82,21 @@ def optimizer_step(optimizers, scaler, skip=False):
     scaler.update()
 
 
-def lr_factor(step, max_steps, warmup_steps, schedule='cosine', floor=0.1, decay_frac=0.2):
-    """The LR of `step` as a fraction of each group's base LR; `floor` is min_lr / learning_rate.
+def drop_weight_decay(optimizers):
+    """The second half of BitNet b1.58's two-stage schedule has no weight decay."""
+    for opt in optimizers:
+        for g in opt.param_groups:
+            g['weight_decay'] = 0.0
+
+
+def lr_factor(step, max_steps, warmup_steps, schedule='cosine', floor=0.1,
+              decay_frac=0.2):
+    """The LR of `step` as a fraction of each group's base LR;
+    `floor` is min_lr / learning_rate.
     1) linear warmup over warmup_steps (and nothing else for 'constant');
     2) 'linear' or 'cosine' decay from 1 to floor over the remaining steps;
-    3) 'wsd' (warmup-stable-decay): flat, then linear to floor over the last decay_frac of the steps;
+    3) 'wsd' (warmup-stable-decay): flat, then linear to floor over the last decay_frac
+       of the steps;
     4) 'two_stage' (BitNet b1.58): cosine, halved from the midpoint on."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}; use one of {', '.join(SCHEDULES)}")
@@ -80,18 +106,24 @@ def lr_factor(step, max_steps, warmup_steps, schedule='cosine', floor=0.1, decay
     if schedule == 'linear':
         return 1.0 - (1.0 - floor) * ratio
     if schedule == 'wsd':
-        return 1.0 - (1.0 - floor) * max(0.0, (step - (1 - decay_frac) * max_steps) / (decay_frac * max_steps))
+        decay_start = (1 - decay_frac) * max_steps
+        decayed = max(0.0, (step - decay_start) / (decay_frac * max_steps))
+        return 1.0 - (1.0 - floor) * decayed
     cosine = floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1.0 - floor)
     return cosine / 2 if schedule == 'two_stage' and step >= max_steps // 2 else cosine
 
 
 class ZClip:
-    """Adaptive gradient clipping: EMAs of the grad norm's mean and variance; a norm whose z-score
-    exceeds z_thresh is a spike, clipped to mu + z_thresh^2 / z * sigma (the further out, the
-    harder). The first `warmup` norms only seed the statistics, clipped at the fixed `max_norm`."""
+    """Adaptive gradient clipping: EMAs of the grad norm's mean and variance; a norm
+    whose z-score exceeds z_thresh is a spike, clipped to mu + z_thresh^2 / z * sigma
+    (the further out, the harder). The first `warmup` norms only seed the statistics,
+    clipped at the fixed `max_norm`."""
 
     def __init__(self, z_thresh=2.5, alpha=0.97, warmup=25, max_norm=0.0):
-        self.z_thresh, self.alpha, self.warmup, self.max_norm = z_thresh, alpha, warmup, max_norm
+        self.z_thresh = z_thresh
+        self.alpha = alpha
+        self.warmup = warmup
+        self.max_norm = max_norm
         self.norms, self.mu, self.var = [], 0.0, 0.0
 
     @property
@@ -99,11 +131,12 @@ class ZClip:
         return len(self.norms) == self.warmup
 
     def target(self, g):
-        """The norm to clip a finite norm g to (g itself when it is not a spike); updates the
-        statistics. A non-finite norm must never reach it: its step is skipped, and a NaN mean
-        would turn clipping off for good."""
+        """The norm to clip a finite norm g to (g itself when it is not a spike);
+        updates the statistics. A non-finite norm must never reach it: its step is
+        skipped, and a NaN mean would turn clipping off for good."""
         if not self.adaptive:
-            self.norms.append(g)  # the raw norms: clipping them would bias the statistics low
+            # the raw norms: clipping them would bias the statistics low
+            self.norms.append(g)
             if self.adaptive:
                 t = torch.tensor(self.norms, dtype=torch.float64)
                 self.mu, self.var = t.mean().item(), t.var(unbiased=False).item()
@@ -116,11 +149,34 @@ class ZClip:
         return clipped
 
 
+def clip_gradients(model, optimizers, scaler, max_norm=0.0, zclip=None):
+    """Unscale the gradients (fp16), then clip their total norm to max_norm (0: no
+    limit), or to what ZClip says for a spike. Returns the norm and the norm ZClip
+    clipped a spike to (None when it clipped none). A non-finite norm clips nothing,
+    and ZClip never sees it: the caller skips that step, and a NaN in ZClip's statistics
+    would turn spike clipping off for the rest of the run."""
+    for opt in optimizers:
+        scaler.unscale_(opt)
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if isinstance(norm, DTensor):  # FSDP: the norm of every rank's shards together
+        norm = norm.full_tensor()
+    adaptive = zclip is not None and zclip.adaptive
+    finite = math.isfinite(norm.item())  # a CPU-GPU sync
+    target = max_norm or float('inf')
+    if zclip and finite:
+        target = zclip.target(norm.item())
+    if finite and norm.item() > target:
+        torch.nn.utils.clip_grads_with_norm_(params, target, norm)
+    return norm, target if adaptive and target < norm.item() else None
+
+
 def lr_range_test(train_step, steps=100, lo=1e-8, hi=1.0):
-    """LR range test: raise the LR exponentially from lo to hi, one optimizer step each (train_step(i, lr)
-    takes step i at that LR and returns its loss), until the smoothed loss exceeds 4x its minimum.
-    Returns the LRs, the smoothed losses and the suggestion: the LR where the loss fell fastest. The
-    caller puts the model back afterwards."""
+    """LR range test: raise the LR exponentially from lo to hi, one optimizer step each
+    (train_step(i, lr) takes step i at that LR and returns its loss), until the smoothed
+    loss exceeds 4x its minimum. Returns the LRs, the smoothed losses and the
+    suggestion: the LR where the loss fell fastest. The caller puts the model back
+    afterwards."""
     lrs, losses, avg = [], [], 0.0
     for i in range(steps):
         lrs.append(lo * (hi / lo) ** (i / (steps - 1)))
@@ -128,12 +184,14 @@ def lr_range_test(train_step, steps=100, lo=1e-8, hi=1.0):
         losses.append(avg / (1 - 0.98 ** (i + 1)))  # bias-corrected EMA
         if not math.isfinite(losses[-1]) or losses[-1] > 4 * min(losses):
             break
-    slopes = [(losses[i + 1] - losses[i - 1]) / math.log(lrs[i + 1] / lrs[i - 1]) for i in range(1, len(lrs) - 1)]
+    slopes = [(losses[i + 1] - losses[i - 1]) / math.log(lrs[i + 1] / lrs[i - 1])
+              for i in range(1, len(lrs) - 1)]
     return lrs, losses, lrs[1 + min(range(len(slopes)), key=slopes.__getitem__)]
 
 
 def write_svg(path, xs, ys, mark, W=480, H=300):
-    """The LR range test's curve: smoothed loss against log10(LR), the suggestion in red."""
+    """The LR range test's curve: smoothed loss against log10(LR),
+    the suggestion in red."""
     lx, ys = [math.log10(x) for x in xs], [min(y, 4 * min(ys)) for y in ys]
     px = lambda v: 40 + (v - lx[0]) / (lx[-1] - lx[0]) * (W - 60)
     py = lambda v: H - 30 - (v - min(ys)) / (max(ys) - min(ys) + 1e-12) * (H - 60)
@@ -143,16 +201,71 @@ def write_svg(path, xs, ys, mark, W=480, H=300):
         f.write(f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}">'
                 f'<rect width="100%" height="100%" fill="white"/>'
                 f'<polyline fill="none" stroke="black" points="{points}"/>'
-                f'<line x1="{x}" x2="{x}" y1="20" y2="{H - 30}" stroke="red"/><text x="45" y="15" font-size="11">'
-                f'smoothed loss vs LR from {xs[0]:.0e} to {xs[-1]:.0e} (log scale); red: suggested {mark:.1e}</text></svg>')
+                f'<line x1="{x}" x2="{x}" y1="20" y2="{H - 30}" stroke="red"/>'
+                f'<text x="45" y="15" font-size="11">'
+                f'smoothed loss vs LR from {xs[0]:.0e} to {xs[-1]:.0e} (log scale); '
+                f'red: suggested {mark:.1e}</text></svg>')
+
+
+def find_lr(train_step, out_dir, verbose=True):
+    """The LR range test as a run uses it: a progress line, the curve drawn to
+    out_dir/lr_find.svg and the suggestion printed (when verbose: rank 0). Returns the
+    suggested LR."""
+    show = Progress('lr_find', 100, ' steps', 1, delay=2 if verbose else math.inf)
+
+    def step(i, lr):
+        show(i + 1)
+        return train_step(i, lr)
+    tried, losses, found = lr_range_test(step)
+    show(len(tried), last=True)
+    if verbose:
+        write_svg(os.path.join(out_dir, 'lr_find.svg'), tried, losses, found)
+        print(f"lr_find: suggested learning_rate {found:.2e} (steepest descent); "
+              f"curve in {out_dir}/lr_find.svg")
+    return found
 
 
 def auto_batch_size(try_batch, start):
-    """The largest batch size <= start (halving) for which try_batch(b) runs without running out of
-    GPU memory."""
+    """The largest batch size <= start (halving) for which try_batch(b) runs without
+    running out of GPU memory."""
     for b in (start >> i for i in range(start.bit_length())):
         try:
             return try_batch(b) or b
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()
     return 1
+
+
+def fit_batch(try_batch, wanted, device):
+    """The micro-batch for a run that wants `wanted` sequences per rank and step: the
+    largest power of two up to it that fits, the smallest over the ranks, since every rank
+    must run the same number of micro-steps."""
+    largest = auto_batch_size(try_batch, 2 ** math.floor(math.log2(wanted)))
+    fits = torch.tensor(largest, device=device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(fits, op=torch.distributed.ReduceOp.MIN)
+    return fits.item()
+
+
+def source_scores(model, loss_fn, batches, val_batches):
+    """Influence-based remixing's score of each source: the cosine between the gradient
+    of the loss on its batch and the gradient of the val loss. loss_fn(model, batch)
+    returns a scalar; batches is {name: batch} (Loader.source_batches()), val_batches a
+    list. The model's gradients are cleared after, so call it between optimizer steps.
+    Under DDP pass the wrapped model: its gradients, hence the scores and the weights,
+    agree on every rank."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def grad(bs):
+        model.zero_grad(set_to_none=True)
+        for b in bs:
+            loss_fn(model, b).backward()
+        flat = [torch.zeros(p.numel(), device=p.device) if p.grad is None
+                else p.grad.flatten().float() for p in params]
+        return torch.cat(flat)
+
+    g_val = grad(val_batches)
+    scores = {name: F.cosine_similarity(grad([b]), g_val, dim=0).item()
+              for name, b in batches.items()}
+    model.zero_grad(set_to_none=True)
+    return scores

@@ -1,15 +1,16 @@
 """
 Tokenizers, all as `tiktoken.Encoding`s, and chat rendering.
 
-tiktoken is a fast BPE encoder written in Rust, and every byte-level BPE (GPT-2, cl100k,
-Llama 3, SmolLM2) fits its three parts: a regex that cuts text into pieces, merge ranks, and
-special tokens. A Hugging Face tokenizer.json holds the same three things in another dress: its
-vocabulary spells bytes as printable characters (GPT-2's byte-to-unicode table, undone below),
-its merges come in the order of their ids (so an id is a rank), and its pre-tokenizer is a regex.
-The offline encoding 'bytes' is the degenerate case: no merges, one token per byte.
+tiktoken is a fast BPE encoder written in Rust, and every byte-level BPE (GPT-2,
+cl100k, Llama 3, SmolLM2) fits its three parts: a regex that cuts text into pieces, merge
+ranks, and special tokens. A Hugging Face tokenizer.json holds the same three things in
+another dress: its vocabulary spells bytes as printable characters (GPT-2's
+byte-to-unicode table, undone below), its merges come in the order of their ids (so an
+id is a rank), and its pre-tokenizer is a regex. The offline encoding 'bytes' is the
+degenerate case: no merges, one token per byte.
 
-Chats are rendered in the tokenizer's own template (ChatML, or Llama 3's headers) with a loss
-mask that is 1 on the assistant's tokens only, the way SFT trains.
+Chats are rendered in the tokenizer's own template (ChatML, or Llama 3's headers) with a
+loss mask that is 1 on the assistant's tokens only, the way SFT trains.
 """
 import json
 import os
@@ -21,36 +22,44 @@ import tiktoken
 from hub import DownloadError, hub_download
 
 # GPT-2's pre-tokenizer: contractions, words, numbers, punctuation runs, whitespace
-GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-# SmolLM2's: every digit its own piece, then GPT-2's regex on the stretches between digits.
-# A stretch ends at a digit, so whitespace before a digit stays whole: \s+(?=\p{N}).
-DIGITS_PATTERN = (r"""\p{N}|'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?=\p{N})|"""
-                  r"""\s+(?!\S)|\s+""")
-# Llama 3's (and cl100k's): numbers in runs of up to 3 digits, case-insensitive contractions
-LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
-                  r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+GPT2_PATTERN = (r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|"""
+                r"""\s+(?!\S)|\s+""")
+# SmolLM2's: every digit its own piece, then GPT-2's regex on the stretches between
+# digits. A stretch ends at a digit, so whitespace before a digit stays whole:
+# \s+(?=\p{N}).
+DIGITS_PATTERN = (r"""\p{N}|'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?[^\s\p{L}\p{N}]+|"""
+                  r"""\s+(?=\p{N})|\s+(?!\S)|\s+""")
+# Llama 3's (and cl100k's): numbers in runs of up to 3 digits, case-insensitive
+# contractions
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
+                  r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 SPECIAL_TOKENS = ('<|endoftext|>', '<|mask|>', '<|im_start|>', '<|im_end|>')
 EOS_NAMES = ('<|endoftext|>', '<|end_of_text|>', '</s>')
 
 
 def byte_encoding():
     """256 byte tokens, then the special tokens: a tokenizer that needs no download."""
+    ranks = {bytes([i]): i for i in range(256)}
+    special = {t: 256 + i for i, t in enumerate(SPECIAL_TOKENS)}
     return tiktoken.Encoding(name='bytes', pat_str=GPT2_PATTERN,
-                             mergeable_ranks={bytes([i]): i for i in range(256)},
-                             special_tokens={t: 256 + i for i, t in enumerate(SPECIAL_TOKENS)})
+                             mergeable_ranks=ranks, special_tokens=special)
 
 
 def byte_alphabet():
-    """GPT-2's byte -> character table: printable bytes stay themselves, the rest (control
-    characters, space, ...) move to chr(256 + n), so that every token is printable text."""
+    """GPT-2's byte -> character table: printable bytes stay themselves, the rest
+    (control characters, space, ...) move to chr(256 + n), so that every token is
+    printable text."""
     keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
     moved = [b for b in range(256) if b not in keep]
-    return {**{b: chr(b) for b in keep}, **{b: chr(256 + n) for n, b in enumerate(moved)}}
+    kept = {b: chr(b) for b in keep}
+    shifted = {b: chr(256 + n) for n, b in enumerate(moved)}
+    return {**kept, **shifted}
 
 
 def pre_tokenizer_pattern(pre, unsupported):
     """The one regex that cuts text like a tokenizer.json pre-tokenizer, for the three
-    layouts in use: ByteLevel (GPT-2), Digits + ByteLevel (SmolLM2), Split + ByteLevel (Llama 3)."""
+    layouts in use: ByteLevel (GPT-2), Digits + ByteLevel (SmolLM2), Split + ByteLevel
+    (Llama 3)."""
     steps = []
     if pre:
         steps = pre.get('pretokenizers') if pre.get('type') == 'Sequence' else [pre]
@@ -63,18 +72,22 @@ def pre_tokenizer_pattern(pre, unsupported):
         if kinds == ('Digits', 'ByteLevel') and regex and first.get('individual_digits'):
             return DIGITS_PATTERN
         isolated = first.get('behavior') == 'Isolated' and not first.get('invert')
-        if kinds == ('Split', 'ByteLevel') and not regex and isolated and 'Regex' in first['pattern']:
+        split = kinds == ('Split', 'ByteLevel') and not regex and isolated
+        if split and 'Regex' in first['pattern']:
             return first['pattern']['Regex']
-    raise ValueError(f"{unsupported}; its pre-tokenizer is {' + '.join(kinds) or 'none'}")
+    names = ' + '.join(kinds) or 'none'
+    raise ValueError(f"{unsupported}; its pre-tokenizer is {names}")
 
 
 def hf_encoding(path):
-    """A Hugging Face byte-level BPE tokenizer.json as a tiktoken Encoding with the same ids."""
+    """A Hugging Face byte-level BPE tokenizer.json as a tiktoken Encoding with the same
+    ids."""
     with open(path, encoding='utf-8') as f:
         tj = json.load(f)
     model = tj.get('model', {})
-    unsupported = (f"{path}: only a byte-level BPE tokenizer.json (GPT-2, Llama 3, SmolLM2 style) "
-                   f"can be converted; use one of those, a tiktoken name or 'bytes'")
+    unsupported = (f"{path}: only a byte-level BPE tokenizer.json "
+                   f"(GPT-2, Llama 3, SmolLM2 style) can be converted; "
+                   f"use one of those, a tiktoken name or 'bytes'")
     normalizer = tj.get('normalizer')
     prefixed = model.get('byte_fallback') or model.get('continuing_subword_prefix')
     if model.get('type') != 'BPE' or normalizer or prefixed:
@@ -84,43 +97,50 @@ def hf_encoding(path):
     added = {t['content']: t['id'] for t in tj.get('added_tokens', [])}
     byte = {c: b for b, c in byte_alphabet().items()}
     try:
-        ranks = {bytes(byte[c] for c in t): i for t, i in model['vocab'].items() if t not in added}
+        ranks = {bytes(byte[c] for c in t): i
+                 for t, i in model['vocab'].items() if t not in added}
     except KeyError:
         raise ValueError(f"{unsupported}; its vocabulary is not byte-level") from None
-    # tiktoken merges the adjacent pair whose concatenation has the lowest id; that is the
-    # BPE of the merge list when later merges make larger ids, which is how BPE is trained
+    # tiktoken merges the adjacent pair whose concatenation has the lowest id; that is
+    # the BPE of the merge list when later merges make larger ids, which is how BPE is
+    # trained
     merged = []
     for m in model['merges']:  # "a b" (older files) or ["a", "b"]
         parts = m.split(' ') if isinstance(m, str) else m
         merged.append(model['vocab'][''.join(parts)])
     if any(a > b for a, b in zip(merged, merged[1:])):
         raise ValueError(f"{unsupported}; its merges are not in the order of their ids")
-    return tiktoken.Encoding(os.path.abspath(path), pat_str=pattern, mergeable_ranks=ranks,
-                             special_tokens=added)
+    return tiktoken.Encoding(os.path.abspath(path), pat_str=pattern,
+                             mergeable_ranks=ranks, special_tokens=added)
 
 
 def get_tokenizer(name):
-    """'bytes' (offline), a tiktoken name ('gpt2', 'cl100k_base', 'o200k_base'), a Hugging Face
-    tokenizer.json or a directory holding one, or a hub model id (its tokenizer.json is fetched)."""
+    """'bytes' (offline), a tiktoken name ('gpt2', 'cl100k_base', 'o200k_base'), a
+    Hugging Face tokenizer.json or a directory holding one, or a hub model id (its
+    tokenizer.json is fetched)."""
     if name == 'bytes':
         return byte_encoding()
     if name in tiktoken.list_encoding_names():
+        # tiktoken fetches its files once, then caches them
         try:
             return tiktoken.get_encoding(name)
-        except requests.RequestException as e:  # tiktoken fetches its files once, then caches them
-            raise DownloadError(f"tiktoken cannot fetch {name!r} ({type(e).__name__}); connect "
-                                f"once, or set TIKTOKEN_CACHE_DIR to a folder with its files") from None
+        except requests.RequestException as e:
+            raise DownloadError(f"tiktoken cannot fetch {name!r} ({type(e).__name__}); "
+                                f"connect once, or set TIKTOKEN_CACHE_DIR to a folder "
+                                f"with its files") from None
     path = os.path.join(name, 'tokenizer.json') if os.path.isdir(name) else name
     if os.path.isfile(path):
         return hf_encoding(path)
     if re.fullmatch(r'[\w.-]+/[\w.-]+', name):
         return hf_encoding(hub_download(name, 'tokenizer.json'))
-    raise ValueError(f"unknown tokenizer {name!r}; use 'bytes', a tokenizer.json (or its folder), "
-                     f"a hub model id or one of {tiktoken.list_encoding_names()}")
+    names = tiktoken.list_encoding_names()
+    raise ValueError(f"unknown tokenizer {name!r}; use 'bytes', a tokenizer.json "
+                     f"(or its folder), a hub model id or one of {names}")
 
 
 def same_encoding(a, b):
-    """Whether two tokenizers give the same ids on a probe of text, digits, code and unicode."""
+    """Whether two tokenizers give the same ids on a probe of text, digits, code and
+    unicode."""
     probe = 'The year 2024: def f(x):\n\treturn x ** 2  # naïve café, 東京 🚀' * 2
     if a.n_vocab != b.n_vocab or a.special_tokens_set != b.special_tokens_set:
         return False
@@ -132,14 +152,18 @@ def eos_id(enc):
     for name in EOS_NAMES:
         if name in enc.special_tokens_set:
             return enc.encode_single_token(name)
-    raise ValueError(f"tokenizer {enc.name!r} has no end-of-text token {EOS_NAMES}; use another")
+    raise ValueError(f"tokenizer {enc.name!r} has no end-of-text token {EOS_NAMES}; "
+                     f"use another")
 
 
 # ---------------------------------------------------------------- chats
 
-# (turn start, after the role, turn end, after the turn); the first one whose special tokens exist
-CHAT_TEMPLATES = (('<|im_start|>', '\n', '<|im_end|>', '\n'),  # ChatML: SmolLM2, Qwen, 'bytes'
-                  ('<|start_header_id|>', '<|end_header_id|>\n\n', '<|eot_id|>', ''))  # Llama 3
+# (turn start, after the role, turn end, after the turn); the first one whose special
+# tokens exist
+CHAT_TEMPLATES = (
+    ('<|im_start|>', '\n', '<|im_end|>', '\n'),  # ChatML: SmolLM2, Qwen, 'bytes'
+    ('<|start_header_id|>', '<|end_header_id|>\n\n', '<|eot_id|>', ''),  # Llama 3
+)
 ROLES = {'human': 'user', 'gpt': 'assistant'}  # ShareGPT's names
 
 
@@ -148,7 +172,21 @@ def chat_template(enc):
         if set(re.findall(r'<\|\w+\|>', ''.join(template))) <= enc.special_tokens_set:
             return template
     raise ValueError(f"tokenizer {enc.name!r} has no chat tokens (ChatML's <|im_start|> "
-                     f"<|im_end|> or Llama 3's headers); use 'bytes' or a tokenizer that has them")
+                     f"<|im_end|> or Llama 3's headers); use 'bytes' or a tokenizer "
+                     f"that has them")
+
+
+def chat_template_text(folder):
+    """The Jinja chat template a Hugging Face model directory holds (chat_template.jinja, or
+    tokenizer_config.json's), or None."""
+    jinja = os.path.join(folder, 'chat_template.jinja')
+    if os.path.exists(jinja):
+        return open(jinja).read()
+    config = os.path.join(folder, 'tokenizer_config.json')
+    if os.path.exists(config):
+        template = json.load(open(config)).get('chat_template')
+        return template if isinstance(template, str) else None
+    return None
 
 
 def chat_turns(row):
@@ -156,31 +194,35 @@ def chat_turns(row):
     if 'messages' in row:
         return [(m['role'], m['content']) for m in row['messages']]
     if 'conversations' in row:  # ShareGPT
-        return [(ROLES.get(m['from'], m['from']), m['value']) for m in row['conversations']]
+        turns = row['conversations']
+        return [(ROLES.get(m['from'], m['from']), m['value']) for m in turns]
     if 'prompt' in row and 'response' in row:
         return [('user', row['prompt']), ('assistant', row['response'])]
-    raise ValueError(f"a chat line needs 'messages', 'conversations' or 'prompt' and 'response'; "
-                     f"this one has {sorted(row)}")
+    raise ValueError(f"a chat line needs 'messages', 'conversations' or 'prompt' and "
+                     f"'response'; this one has {sorted(row)}")
 
 
 def render_chat(enc, turns, template=None):
-    """One conversation as tokens and a loss mask that is 1 exactly on the assistant's text
-    and on the token that ends its turn (so that the model learns to stop). In ChatML, with
-    the counted tokens in brackets:
-        <|endoftext|><|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n[Hello!<|im_end|>]\\n
-    The texts are encoded as ordinary text, so no one can smuggle in special tokens, but together
-    with the plain end of their header ("assistant\\n"), as HF's chat templates tokenize the
-    rendered text: an answer that starts with whitespace merges with the header's newline.
-    A token that holds any of the answer counts."""
+    """One conversation as tokens and a loss mask that is 1 exactly on the assistant's
+    text and on the token that ends its turn (so that the model learns to stop). In
+    ChatML, with the counted tokens in brackets:
+        <|endoftext|><|im_start|>user\\nHi<|im_end|>\\n
+        <|im_start|>assistant\\n[Hello!<|im_end|>]\\n
+    The texts are encoded as ordinary text, so no one can smuggle in special tokens, but
+    together with the plain end of their header ("assistant\\n"), as HF's chat templates
+    tokenize the rendered text: an answer that starts with whitespace merges with the
+    header's newline. A token that holds any of the answer counts."""
     start, role_end, end, after = template or chat_template(enc)
     tokens, mask = [eos_id(enc)], [0]
     for role, text in turns:
         head = start + role + role_end  # cut goes after its last special token
         cut = max(head.rfind(s) + len(s) for s in enc.special_tokens_set if s in head)
-        plain = head[cut:]  # the header's ordinary text, encoded together with the message
+        # the header's ordinary text, encoded together with the message
+        plain = head[cut:]
         special = enc.encode(head[:cut], allowed_special='all')
         body = enc.encode_ordinary(plain + text)
-        ends = (enc.decode_with_offsets(body)[1] + [len(plain) + len(text)])[1:]  # token ends
+        offsets = enc.decode_with_offsets(body)[1]
+        ends = (offsets + [len(plain) + len(text)])[1:]  # token ends
         tail = [enc.encode_single_token(end)] + enc.encode_ordinary(after)
         tokens += special + body + tail
         answer = role == 'assistant'

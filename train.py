@@ -6,75 +6,70 @@ offline corpus, on the CPU, in a few minutes:
     python train.py config/tiny_fp.py                # its full-precision twin
     python train.py --init_from=resume               # carry on from the last checkpoint
     torchrun --nproc_per_node=2 train.py             # DDP: gloo on CPU, nccl on CUDA
-    torchrun --nproc_per_node=2 train.py --fsdp=True # FSDP2: weights, grads, AdamW sharded
-    python train.py config/lora.py                   # LoRA on a frozen, packed ternary model
+    torchrun --nproc_per_node=2 train.py --fsdp=True # FSDP2: weights, grads, AdamW split
+    python train.py config/lora.py                   # LoRA on a frozen, packed model
 
 The script reads top to bottom like nanoGPT's: settings, DDP, data, model, objectives,
-optimizer, the loop. What each step needs lives in the files it imports (objectives.py: the
-losses; optim.py: optimizers and schedules; data.py: batches; checkpoint.py: saving and finding
-checkpoints), so that this file stays the spine a reader follows.
+optimizer, the loop. The pieces live in the files it imports (objectives.py: losses;
+optim.py: optimizers; data.py: batches; checkpoint.py: checkpoints).
 """
+import functools
 import json
 import math
 import os
-import shutil
-import subprocess
 import sys
 import time
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
 from bitlinear import TARGETS, set_lambda
 from configurator import configure
-from data import (IGNORE, Loader, get_batch, offline_corpus, preference_pairs, setup_data,
-                  source_scores)
+from data import Batches, offline_corpus, preference_pairs, setup_data
 from engine import complete
+from eval import loss_sums
 from hub import Progress
-from lora import add_lora, load_adapters, save_adapters, set_adapters
+from lora import attach_lora, load_adapters, save_adapters, set_adapters
 from model import ModelConfig, Transformer
 from objectives import (OBJECTIVES, BaseTeacher, CurriculumScheduler, LocalTeacher,
                         ObjectiveManager, RemoteTeacher, ce_loss)
-from optim import (SCHEDULES, ZClip, auto_batch_size, lr_factor, lr_range_test, make_optimizers,
-                   optimizer_step, param_groups, set_lr, write_svg)
+from optim import (SCHEDULES, ZClip, clip_gradients, drop_weight_decay, find_lr, fit_batch,
+                   lr_factor, make_optimizers, optimizer_step, param_groups, set_lr,
+                   source_scores)
 from tokenizer import eos_id, get_tokenizer, same_encoding
 
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole, on rank 0's CPU
 _imported = set(globals())  # everything defined below, up to the ruler, is a setting
 # -----------------------------------------------------------------------------
 # default settings: a tiny ternary model on the offline corpus, trained on the CPU
 # I/O
 out_dir = 'out'
-# 'scratch', 'resume' (out_dir's last checkpoint), a run's folder, an HF model dir or a hub id
+# 'scratch', 'resume' (out_dir's last checkpoint), a run's folder, an HF dir or hub id
 init_from = 'scratch'
 eval_interval = 125    # evaluate on val every this many optimizer steps (and at the end)
 eval_iters = 20        # batches per evaluation
 log_interval = 10
-ckpt_interval = 0      # also save every this many steps; 0: on val improvement and at the end
+ckpt_interval = 0      # also save every this many steps (0: at improvements, the end)
 keep_last = 2          # complete checkpoints to keep, besides the best one
-patience = 0           # early stopping after this many evals without improvement (0: never)
+patience = 0           # stop after this many evals without improvement (0: never)
 min_delta = 0.0        # ... an improvement being a val loss lower by more than this
 sample_tokens = 300    # printed at the end of training; 0 to skip
 eval_prompts = []      # at every eval, the greedy continuations are logged ('samples')
 wandb_log = False
 wandb_project = 'nanobitnet'
 # data
-# the tokenizer: '' is the model's own (init_from's tokenizer.json), else 'bytes' (offline), a
-# tiktoken name ('gpt2'), a tokenizer.json or its directory, or a hub model id
+# '' is the model's own (init_from's tokenizer.json), else 'bytes' (offline), a tiktoken
+# name ('gpt2'), a tokenizer.json or its directory, or a hub model id
 tokenizer = ''
 dataset = ''           # a folder of token shards (data.py); '' is the offline corpus
-data_files = {}        # {'train'/'val': [paths, URLs or hf:// files]}: made into `dataset`
-# data_files' format: 'text', 'jsonl', 'chat' (SFT: answers' loss), 'tokens' (llm.c shards)
-data_format = 'text'
+data_files = {}        # {'train'/'val': [paths, URLs, hf:// files]}: made into dataset
+data_format = 'text'   # 'text', 'jsonl', 'chat' (SFT), 'tokens' (llm.c shards)
 text_field = 'text'    # jsonl: the field that holds the text
-mixture = {}           # {name: (folder, weight)}: train on prepared folders (val: dataset's)
-remix_interval = 0     # reweigh the mixture by influence every this many steps (0: never)
+mixture = {}           # {name: (folder, weight)}: prepared folders (val: dataset's)
+remix_interval = 0     # reweigh the mixture every this many steps (0: never)
 remix_eta = 1.0
 remix_floor = 0.05
 dpo_data = ''          # a jsonl of {prompt, chosen, rejected} for the dpo objective
@@ -102,7 +97,7 @@ lora_targets = ','.join(TARGETS)  # the linears (of each block) that get adapter
 objectives = {'ce': {}}
 curriculum = [(1.0, {'ce': 1.0})]
 blend = 'switch'       # or 'linear', 'cosine'
-teacher = ''           # '' (none), a local checkpoint or HF dir, or a vLLM URL http://...
+teacher = ''           # '' (none), a checkpoint or HF dir, or a vLLM URL http://...
 teacher_model = ''     # the model name a vLLM teacher serves
 teacher_top_k = 20     # logprobs per position from a vLLM teacher
 # optimizer: AdamW for everything, or Muon for the hidden matrices and AdamW for the rest
@@ -121,7 +116,7 @@ beta1 = 0.9
 beta2 = 0.95
 zero1 = False          # shard the optimizer state over the DDP ranks (ZeRO stage 1)
 fsdp = False           # shard weights, gradients and optimizer state (FSDP2)
-grad_clip = 1.0        # max grad norm (0: none); with zclip, the clip of its first 25 steps
+grad_clip = 1.0        # max grad norm (0: none); with zclip, its first 25 steps'
 zclip = False          # adaptive clipping of grad-norm spikes by their z-score (ZClip)
 zclip_z = 2.5
 nan_patience = 5       # stop after this many non-finite steps in a row (each is skipped)
@@ -137,7 +132,7 @@ auto_batch = False     # CUDA: the largest batch_size that fits, same global bat
 seed = 1337
 peak_flops = 989e12    # for MFU: the accelerator's dense bf16 peak (H100 SXM)
 # -----------------------------------------------------------------------------
-config = {k: v for k, v in globals().items() if k not in _imported and not k.startswith('_')}
+config = {k: v for k, v in globals().items() if k not in _imported and k[0] != '_'}
 config = configure(config, sys.argv[1:])  # config files, then --key=value
 globals().update(config)
 
@@ -154,29 +149,27 @@ if ddp:
     if gradient_accumulation_steps % world_size:
         sys.exit(f"error: gradient_accumulation_steps={gradient_accumulation_steps} "
                  f"must be a multiple of the {world_size} ranks")
-    gradient_accumulation_steps //= world_size  # the same global batch on any number of ranks
+    gradient_accumulation_steps //= world_size  # the same global batch on any ranks
 master = rank == 0  # logs, checkpoints and samples
-fsdp_conflicts = zero1 or optimizer != 'adamw' or lr_find or (compile and device == 'cpu')
-if fsdp and (not ddp or fsdp_conflicts):
-    sys.exit('error: fsdp=True runs under torchrun, with AdamW, and without zero1, lr_find or '
-             'compile on CPU (Muon needs whole matrices); drop one of them')
+cpu_compile = compile and device == 'cpu'
+if fsdp and (not ddp or zero1 or lr_find or optimizer != 'adamw' or cpu_compile):
+    sys.exit('error: fsdp=True runs under torchrun, with AdamW, and without zero1, '
+             'lr_find or compile on CPU (Muon needs whole matrices); drop one of them')
 targets = lora_targets.split(',')
-lora_conflicts = init_from == 'scratch' or fsdp or lambda_warmup or set(targets) - set(TARGETS)
-if lora_rank and lora_conflicts:
-    sys.exit(f"error: lora_rank={lora_rank} adapts a trained model: set init_from, lora_targets "
-             f"among {','.join(TARGETS)}, and no fsdp or lambda_warmup")
+unknown = set(targets) - set(TARGETS)
+if lora_rank and (init_from == 'scratch' or fsdp or lambda_warmup or unknown):
+    sys.exit(f"error: lora_rank={lora_rank} adapts a trained model: set init_from, "
+             f"lora_targets among {','.join(TARGETS)}, and no fsdp or lambda_warmup")
 device_type = 'cuda' if device.startswith('cuda') else 'cpu'
 ptdtype = {k: getattr(torch, k) for k in ('float32', 'bfloat16', 'float16')}.get(dtype)
 if ptdtype is None:
     sys.exit(f"error: dtype={dtype!r} is not one of float32, bfloat16, float16")
-ctx = nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type, dtype=ptdtype)
-torch.manual_seed(seed + rank)  # not the batches (seeded by step) but e.g. diffusion's masks
+ctx = nullcontext()
+if ptdtype != torch.float32:
+    ctx = torch.autocast(device_type, dtype=ptdtype)
+torch.manual_seed(seed + rank)  # not the batches (seeded by step); diffusion's masks
 os.makedirs(out_dir, exist_ok=True)
-commit = ''  # saved with every checkpoint
-if shutil.which('git'):
-    here = os.path.dirname(os.path.abspath(__file__))
-    git = subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True, cwd=here)
-    commit = git.stdout.strip()
+commit = checkpoint.git_commit()  # saved with every checkpoint
 
 
 def located(src):
@@ -187,84 +180,48 @@ def located(src):
         sys.exit(f"error: cannot load {src!r}: {e}")
 
 
-# the model we start from and its tokenizer: the model's own (the tokenizer.json by its weights)
-# unless one is named, which must encode as it does; a resumed run keeps the one it started with
+# the model we start from and its tokenizer: the model's own (the tokenizer.json beside
+# its weights) unless one is named, which must encode as it does; a resume keeps its own
 start = None  # the directory the run starts from
 state = None  # the training state of the checkpoint we resume
 if init_from == 'resume':
-    if not checkpoint.checkpoints(out_dir):
-        sys.exit(f"error: no checkpoint in {out_dir!r} to resume from; train first or set --out_dir")
     try:
-        start = checkpoint.latest(out_dir, set_aside=master, warn=master)
+        start, state = checkpoint.resume(out_dir, master)
     except FileNotFoundError as e:
-        sys.exit(f"error: {e}; start over with --init_from=scratch")
-    state = torch.load(os.path.join(start, checkpoint.STATE), weights_only=True)
+        sys.exit(f"error: {e}")
 elif init_from != 'scratch':
     start = located(init_from)
-base = state['base'] if state and lora_rank else start  # a LoRA checkpoint holds adapters only
-own = None  # the starting model's own tokenizer
-if start and os.path.exists(os.path.join(start, 'tokenizer.json')):
-    own = start
+base = state['base'] if state and lora_rank else start  # LoRA checkpoints: adapters only
+has_own = start and os.path.isfile(os.path.join(start, 'tokenizer.json'))
+own = start if has_own else None  # the starting model's own tokenizer
 tokenizer_name = state['tokenizer'] if state else tokenizer or own or 'bytes'
-tokenizer_file = os.path.join(tokenizer_name, 'tokenizer.json')  # every checkpoint carries it
+tokenizer_file = os.path.join(tokenizer_name, 'tokenizer.json')  # checkpoints carry it
 if not os.path.isfile(tokenizer_file):
     tokenizer_file = tokenizer_name if os.path.isfile(tokenizer_name) else None
 
 
-def train_loader():
-    """The loader of the training shards, at the start of its order."""
-    return Loader(mixture or dataset, batch_size, block_size, 'train', rank, world_size, seed)
-
-
-# data: the offline corpus, or token shards data.py prepares once (local rank 0; the others wait). A
-# resume sees the batches it would have seen: the corpus's are a function of (seed, step, index),
-# checkpoints hold the shard loader's place.
-loader, pairs = None, None
+# data: the offline corpus, or token shards data.py prepares once (local rank 0). A
+# resume sees the batches it would have seen (data.Batches).
+pairs = None
 try:
     enc = get_tokenizer(tokenizer_name)
     if own and tokenizer_name != own and not same_encoding(enc, get_tokenizer(own)):
         raise ValueError(f"tokenizer {tokenizer!r} does not encode as the model's own "
-                         f"({own}/tokenizer.json); leave tokenizer unset to use that one")
+                         f"({own}/tokenizer.json); leave tokenizer unset")
     if (mixture and not dataset) or (remix_interval and not mixture):
         raise ValueError("mixture= needs dataset= (whose val split is evaluated); "
                          "remix_interval needs mixture=")
     if dataset:
         setup_data(dataset, data_files, tokenizer_name, data_format, text_field)
-        loader = train_loader()
+        train_data, val_data = mixture or dataset, dataset
     else:
         train_data, val_data = offline_corpus(enc)
     if dpo_data:
         pairs = preference_pairs(dpo_data, enc, block_size, eos_id(enc))
+    batches = Batches(train_data, val_data, batch_size, block_size, rank, world_size,
+                      seed, pairs, device)
 except (OSError, ValueError, KeyError) as e:
     sys.exit(f"error: data: {e}")
-
-
-def batch(step, micro, data=None):
-    """This rank's micro-batch `micro` of optimizer step `step`: {'x', 'y'} (and DPO's 'pairs')."""
-    index = micro * world_size + rank  # this rank's slice of the step's global batch
-    rng = torch.Generator().manual_seed((seed * 1_000_003 + step) * 65_537 + index)
-    if data is None and loader:
-        b = loader.next_batch()
-    else:
-        x, y = get_batch(train_data if data is None else data, batch_size, block_size, rng)
-        b = {'x': x, 'y': y}
-    b = {k: b[k].to(device, non_blocking=True) for k in 'xy'}
-    if pairs:
-        i = torch.randint(len(pairs[0]), (batch_size,), generator=rng)
-        b['pairs'] = tuple(t[i].to(device) for t in pairs)
-    return b
-
-
-def val_batches(n):
-    """The same n val batches at every evaluation."""
-    if not loader:
-        return [batch(-1, i, val_data) for i in range(n)]
-    val = Loader(dataset, batch_size, block_size, 'val', rank, world_size, seed)
-    batches = []
-    for _ in range(n):
-        b = val.next_batch()
-        batches.append({'x': b['x'].to(device), 'y': b['y'].to(device)})
-    return batches
 
 
 def load(path):
@@ -278,49 +235,46 @@ def load(path):
 # model: from scratch, from the last checkpoint, or from a Hugging Face directory
 step, best_val, best_step, bad_evals = 0, float('inf'), 0, 0
 arch = ('n_layer', 'n_embd', 'n_head', 'n_kv_head', 'intermediate_size', 'act', 'bitnet')
+# what a resumed run cannot change (a setting newer than its checkpoint: as now)
+fixed = arch + ('lrc_rank', 'lora_rank', 'lora_targets', 'tokenizer', 'optimizer')
+fixed += ('zero1',)
 if init_from == 'scratch':
-    # the vocabulary padded to a multiple of 64 (faster matmuls, spare rows such as diffusion's
-    # mask token); documents start with EOS, so it is also the BOS
+    # the vocabulary padded to a multiple of 64 (faster matmuls, spare rows such as
+    # diffusion's mask token); documents start with EOS, so it is also the BOS
     model = Transformer(ModelConfig(
         vocab_size=64 * math.ceil(enc.n_vocab / 64), max_seq_len=block_size,
         rope_theta=rope_theta, tie_embeddings=tie_embeddings,
-        bos_token_id=eos_id(enc), eos_token_id=eos_id(enc), **{k: config[k] for k in arch}))
+        bos_token_id=eos_id(enc), eos_token_id=eos_id(enc),
+        **{k: config[k] for k in arch}))
 else:
     model = load(base)
-    if state:  # what a resumed run cannot change (settings newer than the checkpoint: as now)
-        fixed = arch + ('lrc_rank', 'lora_rank', 'lora_targets', 'tokenizer', 'optimizer', 'zero1')
+    if state:
         was = config | state['config']
-        changed = [f"{k}={was[k]!r} (now {config[k]!r})" for k in fixed if was[k] != config[k]]
+        changed = [f"{k}={was[k]!r} (now {config[k]!r})" for k in fixed
+                   if was[k] != config[k]]
         if changed:
             sys.exit(f"error: {start} was trained with {', '.join(changed)}; "
                      "resume with the same settings or a new out_dir")
         step, best_val, best_step = state['step'], state['best_val'], state['best_step']
         bad_evals = state['bad_evals']
     if enc.n_vocab > model.config.vocab_size:
-        sys.exit(f"error: tokenizer {tokenizer_name!r} has {enc.n_vocab} tokens but the model "
-                 f"only {model.config.vocab_size}; use the model's tokenizer")
-    if model.config.max_seq_len < block_size:
-        sys.exit(f"error: block_size={block_size} exceeds max_seq_len={model.config.max_seq_len}")
+        sys.exit(f"error: tokenizer {tokenizer_name!r} has {enc.n_vocab} tokens but the "
+                 f"model only {model.config.vocab_size}; use the model's tokenizer")
+    longest = model.config.max_seq_len
+    if longest < block_size:
+        sys.exit(f"error: block_size={block_size} exceeds max_seq_len={longest}")
 model.to(device)
-if bitnet and not model.config.bitnet and not lora_rank:  # an fp model: SubLN calibrated on batches
-    if loader:  # a loader of its own: the run's stays where it is
-        cal = train_loader()
-        xs = [cal.next_batch()['x'].to(device) for _ in range(subln_calib)]
-    else:
-        xs = [batch(0, i)['x'] for i in range(subln_calib)]
-    model.to_bitnet(xs)
+if bitnet and not model.config.bitnet and not lora_rank:  # SubLN calibrated on batches
+    model.to_bitnet(batches.calibration(subln_calib))
 if lrc_rank and not model.config.lrc_rank:
-    model.add_lrc(lrc_rank)  # from the (converted) weights: the SVD of their quantization residual
-if lora_rank:  # QLoRA-style: the base frozen (ternary: packed 2-bit), fp adapters (lora.py)
-    if model.config.bitnet and not model.config.packed:
-        model = model.freeze()
-    add_lora(model.requires_grad_(False).layers, lora_rank, lora_alpha, targets)
-    model.to(device)
+    model.add_lrc(lrc_rank)  # the SVD of the (converted) weights' quantization residual
+if lora_rank:  # QLoRA: the base frozen (ternary: packed 2-bit), fp adapters
+    model = attach_lora(model, lora_rank, lora_alpha, targets).to(device)
 model.grad_ckpt = grad_ckpt
 raw_model = model
 if master:
     kind = 'ternary' if raw_model.config.bitnet else 'fp'
-    trains = sum(p.numel() for p in raw_model.parameters() if p.requires_grad)  # LoRA: adapters
+    trains = sum(p.numel() for p in raw_model.parameters() if p.requires_grad)
     print(f"{kind} model: {raw_model.num_params() / 1e6:.2f}M parameters, {trains:,} trained")
 
 # objectives and the teacher they distil from
@@ -334,12 +288,11 @@ elif lora_rank:  # the base itself: the student with its adapters off (DPO's ref
 if isinstance(teacher_net, LocalTeacher):
     vocab = teacher_net.model.config.vocab_size
     if vocab != raw_model.config.vocab_size:
-        sys.exit(f"error: teacher vocab {vocab} != student vocab {raw_model.config.vocab_size}; "
-                 "both must share a tokenizer")
-if 'diffusion' in objectives:  # the mask token: the tokenizer's, or a spare (padding) embedding row
-    mask_id = enc.n_vocab
-    if '<|mask|>' in enc.special_tokens_set:
-        mask_id = enc.encode_single_token('<|mask|>')
+        sys.exit(f"error: teacher vocab {vocab} != student vocab "
+                 f"{raw_model.config.vocab_size}; both must share a tokenizer")
+if 'diffusion' in objectives:  # the mask: the tokenizer's, or a spare embedding row
+    has_mask = '<|mask|>' in enc.special_tokens_set
+    mask_id = enc.encode_single_token('<|mask|>') if has_mask else enc.n_vocab
     if mask_id >= raw_model.config.vocab_size:
         sys.exit("error: diffusion needs a mask token; the tokenizer has no <|mask|> "
                  "and the embedding no spare row")
@@ -353,9 +306,9 @@ except KeyError as e:
 except (TypeError, ValueError) as e:
     sys.exit(f"error: objectives/curriculum: {e}")
 
-# auto batch (CUDA): the largest micro-batch that fits, found by trying; the same global batch
+# auto batch (CUDA): the largest micro-batch that fits, by trying; the same global batch
 if auto_batch and device_type != 'cuda':
-    print("auto_batch: does nothing on CPU (there is no memory limit to probe); keeping batch_size")
+    print("auto_batch: nothing to do on CPU (no memory limit to probe)")
 elif auto_batch:
 
     def try_batch(b):
@@ -363,16 +316,13 @@ elif auto_batch:
         with ctx:
             manager(raw_model, {'x': x, 'y': x}, 1.0)[0].backward()
         raw_model.zero_grad(set_to_none=True)
-    tokens_wanted = batch_size * gradient_accumulation_steps
-    largest = auto_batch_size(try_batch, 2 ** math.floor(math.log2(tokens_wanted)))
-    fits = torch.tensor(largest, device=device)
-    if ddp:  # every rank must run the same number of micro-steps
-        dist.all_reduce(fits, op=dist.ReduceOp.MIN)
-    batch_size = fits.item()
-    gradient_accumulation_steps = max(1, tokens_wanted // batch_size)
-    if loader:  # it has read nothing yet (a resumed one is restored below)
-        loader = train_loader()
-    print(f"auto_batch: batch_size={batch_size} x {gradient_accumulation_steps} accumulation steps")
+    wanted = batch_size * gradient_accumulation_steps  # sequences per rank and step
+    batch_size = batches.B = fit_batch(try_batch, wanted, device)
+    gradient_accumulation_steps = max(1, wanted // batch_size)
+    if batches.loader:  # it has read nothing yet (a resumed one is restored below)
+        batches.loader = batches.new_loader()
+    accumulated = gradient_accumulation_steps
+    print(f"auto_batch: batch_size={batch_size} x {accumulated} accumulation steps")
 
 # optimizers, the fp16 gradient scaler, ZClip, and everything a resumed run restores
 if optimizer not in ('adamw', 'muon') or schedule not in SCHEDULES:
@@ -382,16 +332,18 @@ scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)
 
 
 def new_optimizers():
-    """AdamW, or Muon on the hidden matrices (optim.py), every group at its own base LR."""
-    groups = param_groups(raw_model, learning_rate, weight_decay, embed_lr, head_lr, scalar_lr)
-    return make_optimizers(groups, optimizer, learning_rate, (beta1, beta2), zero1 and ddp)
+    """AdamW, or Muon on the hidden matrices, each group at its own base LR."""
+    lrs = (learning_rate, weight_decay, embed_lr, head_lr, scalar_lr)
+    groups = param_groups(raw_model, *lrs)
+    betas = (beta1, beta2)
+    return make_optimizers(groups, optimizer, learning_rate, betas, zero1 and ddp)
 
 
-if fsdp:  # each block is all-gathered for its forward and backward, then freed (fp32 on CPU)
-    for v in raw_model.state_dict().values():  # rank 0's weights everywhere, as DDP broadcasts
+if fsdp:  # each block gathered for its forward and backward, then freed (fp32 on CPU)
+    for v in raw_model.state_dict().values():  # rank 0's weights everywhere, as DDP does
         dist.broadcast(v, 0)
-    policy = MixedPrecisionPolicy()
-    if device_type == 'cuda':
+    policy = MixedPrecisionPolicy()  # fp32 on the CPU
+    if device_type == 'cuda':  # compute in ptdtype, reduce gradients in fp32
         policy = MixedPrecisionPolicy(ptdtype, torch.float32)
     for block in raw_model.layers:
         fully_shard(block, mp_policy=policy)
@@ -401,25 +353,20 @@ zclipper = ZClip(zclip_z, max_norm=grad_clip) if zclip else None
 if state is not None:
     if lora_rank:  # the adapters, at their exact values
         load_adapters(raw_model.layers, start)
-    for opt, sd in zip(optimizers, state['optimizers']):
-        if fsdp:  # a full state, saved by rank 0: each rank takes its shard
-            set_optimizer_state_dict(raw_model, opt, sd, options=FULL)
-        else:
-            opt.load_state_dict(sd)
+    checkpoint.load_optimizer_states(raw_model, optimizers, state['optimizers'], fsdp)
     scaler.load_state_dict(state['scaler'])
     if zclipper:
         vars(zclipper).update(state['zclip'])
     if len(state['rng']) != world_size:
-        sys.exit(f"error: {start} was trained on {len(state['rng'])} ranks; resume on as many")
+        ranks = len(state['rng'])
+        sys.exit(f"error: {start} was trained on {ranks} ranks; resume on as many")
     mine = state['rng'][rank]
-    torch.set_rng_state(mine['cpu'])  # e.g. the masks of masked diffusion
-    if device_type == 'cuda' and mine['cuda'] is not None:
-        torch.cuda.set_rng_state(mine['cuda'])
-    if loader:
-        loader.load_state_dict(mine['data'])
+    checkpoint.set_rng_state(mine, device_type)  # e.g. the masks of masked diffusion
+    if batches.loader:
+        batches.loader.load_state_dict(mine['data'])
     if master:
-        print(f"resumed from {start} at step {step}: weights, optimizer, schedule, RNG and data "
-              f"position restored (best val {best_val:.4f} at step {best_step})")
+        print(f"resumed from {start} at step {step}: weights, optimizer, schedule, RNG "
+              f"and data position restored (best val {best_val:.4f} at step {best_step})")
 if compile:
     model = torch.compile(model)
 if ddp and not fsdp:
@@ -427,18 +374,18 @@ if ddp and not fsdp:
 
 
 def all_mean(x):
-    """The mean of x over the ranks (a no-op in one process), so that every rank logs the same."""
+    """The mean of x over the ranks (a no-op alone): every rank logs the same."""
     if ddp:
         dist.all_reduce(x, op=dist.ReduceOp.AVG)
     return x
 
 
 def micro_steps(step, b):
-    """Forward and backward over the step's micro-batches; returns the mean loss and metrics."""
+    """Forward and backward over the step's micro-batches; the mean loss and metrics."""
     # the logged loss is the mean over all micro-steps, not the last one's
     loss_sum, metrics = torch.zeros((), device=device), {}
     for micro in range(gradient_accumulation_steps):
-        if ddp:  # all-reduce (or reduce-scatter) the gradients only once, after the last micro-step
+        if ddp:  # all-reduce (FSDP: reduce-scatter) the gradients once, after the last
             sync = micro == gradient_accumulation_steps - 1
             if fsdp:
                 raw_model.set_requires_gradient_sync(sync)
@@ -446,103 +393,66 @@ def micro_steps(step, b):
                 model.require_backward_grad_sync = sync
         with ctx:
             loss, parts = manager(model, b, step / max_steps)
-        if micro + 1 < gradient_accumulation_steps:  # fetch the next batch while the GPU works
-            b = batch(step, micro + 1)
+        if micro + 1 < gradient_accumulation_steps:  # the next batch while the GPU works
+            b = batches.get(step, micro + 1)
         loss_sum += loss.detach()
         for k, v in parts.items():  # the mean over micro-steps, like the loss
             metrics[k] = metrics.get(k, 0.0) + v / gradient_accumulation_steps
-        scaler.scale(loss / gradient_accumulation_steps).backward()  # grads then sum to the mean
+        # the gradients add up to those of the mean loss
+        scaler.scale(loss / gradient_accumulation_steps).backward()
     return loss_sum / gradient_accumulation_steps, metrics
 
 
-def clip_gradients():
-    """Unscale (fp16), clip (fixed or ZClip); returns the norm and what ZClip clipped a spike to."""
-    for opt in optimizers:
-        scaler.unscale_(opt)
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params])  # FSDP: a DTensor of all shards
-    if fsdp:
-        norm = norm.full_tensor()
-    adaptive = zclipper is not None and zclipper.adaptive
-    # a CPU-GPU sync. A non-finite step is skipped, and ZClip must never see it: a NaN in its
-    # statistics would turn spike clipping off for the rest of the run
-    finite = math.isfinite(norm.item())
-    target = grad_clip or float('inf')
-    if zclipper and finite:
-        target = zclipper.target(norm.item())
-    if finite and norm.item() > target:
-        torch.nn.utils.clip_grads_with_norm_(params, target, norm)
-    return norm, target if adaptive and target < norm.item() else None
-
-
-@torch.no_grad()
 def evaluate():
-    """The val loss per counted target on the same eval_iters batches every time (no dropout here,
-    so no model.eval())."""
-    sums = torch.zeros(2, device=device)  # summed loss, counted targets
-    show = Progress('evaluate', eval_iters, ' batches', 1, delay=2 if master else math.inf)
-    for i, b in enumerate(val_batches(eval_iters)):
-        with ctx:
-            loss = ce_loss(model(b['x']), b['y'], 'sum')
-            sums += torch.stack([loss, (b['y'] != IGNORE).sum()])
-        show(i + 1, last=i + 1 == eval_iters)
+    """The val loss per counted target on the same eval_iters batches every time
+    (there is no dropout, so no model.eval())."""
+    delay = 2 if master else math.inf  # only rank 0 shows progress
+    show = Progress('evaluate', eval_iters, ' batches', 1, delay=delay)
+    sums = loss_sums(model, batches.val_batches(eval_iters), ctx, show)
     loss, counted = all_mean(sums).tolist()  # a CPU-GPU sync
     if not counted:
-        sys.exit("error: no val batch holds a counted target; raise eval_iters or block_size")
+        sys.exit("error: no val batch holds a counted target; raise eval_iters")
     return loss / counted
 
 
-def continuations(prompts, n, temperature=0.0, top_k=None):
-    """The model's continuations of prompts (greedy at temperature 0), in its trained positions."""
-    with ctx:
-        return complete(raw_model, enc, prompts, n, temperature, top_k)
-
-
 def remix():
-    """Influence-based remixing: reweigh the sources by the cosine of their gradients with val's."""
+    """Influence-based remixing: reweigh the sources by their gradients' cosine with
+    the val gradient (data.py)."""
     def loss(m, b):
         with ctx:
             return ce_loss(m(b['x'].to(device)), b['y'].to(device))
-    scores = source_scores(model, loss, loader.source_batches(), val_batches(2))
-    weights = loader.reweight(scores, remix_eta, remix_floor)
+    sources = batches.loader.source_batches()
+    scores = source_scores(model, loss, sources, batches.val_batches(2))
+    weights = batches.loader.reweight(scores, remix_eta, remix_floor)
     return {f'mix_{n}': w for n, w in weights.items()}
 
 
-def save_weights(path, weights):
-    """The model as a Hugging Face directory; with LoRA, the adapters alone, as PEFT writes them."""
-    if lora_rank:
-        save_adapters(raw_model.layers, path, lora_rank, lora_alpha, targets, base)
-    else:
-        raw_model.save_pretrained(path, weights)
-
-
 def save_checkpoint(step, data_state):
-    """Rank 0 gathers every rank's RNG state and data position (and ZeRO-1's shards), then writes
-    the checkpoint (checkpoint.save: atomic, with a manifest); every rank stops if that fails."""
-    cuda = torch.cuda.get_rng_state() if device_type == 'cuda' else None
-    mine = {'cpu': torch.get_rng_state(), 'cuda': cuda, 'data': data_state}
+    """Rank 0 gathers every rank's RNG state and data position (and the shards of FSDP
+    and ZeRO-1), then writes the checkpoint (checkpoint.save: atomic, with a manifest);
+    every rank stops if that fails."""
+    mine = checkpoint.rng_state(device_type) | {'data': data_state}
     rngs = [mine] * world_size
     if ddp:
         dist.all_gather_object(rngs, mine)
-    if zero1 and ddp:
-        for opt in optimizers:
-            opt.consolidate_state_dict(to=0)
-    weights, opts = None, None
-    if fsdp:  # the full weights and optimizer state, gathered to rank 0's CPU one tensor at a time
-        weights = get_model_state_dict(raw_model, options=FULL)
-        opts = [get_optimizer_state_dict(raw_model, o, options=FULL) for o in optimizers]
-    elif master:  # ZeRO-1's consolidated on rank 0
-        opts = [o.state_dict() for o in optimizers]
+    weights = checkpoint.model_state(raw_model, fsdp)
+    zero = zero1 and ddp
+    opts = checkpoint.optimizer_states(raw_model, optimizers, fsdp, zero, master)
     failed = [None]
     if master:
-        state = dict(
-            step=step, best_val=best_val, best_step=best_step, bad_evals=bad_evals, base=base,
-            optimizers=opts, scaler=scaler.state_dict(), rng=rngs, config=config, commit=commit,
-            zclip=vars(zclipper) if zclipper else None, tokenizer=tokenizer_name)
-        write = lambda path: save_weights(path, weights)  # noqa: E731
-        failed[0] = checkpoint.save(out_dir, step, write, state, tokenizer_file, keep_last,
-                                    best_step)
-    if ddp:  # every rank learns whether rank 0's write failed, so that none waits in a collective
+        zclip_state = vars(zclipper) if zclipper else None
+        state = dict(step=step, best_val=best_val, best_step=best_step,
+                     bad_evals=bad_evals, base=base, optimizers=opts,
+                     scaler=scaler.state_dict(), rng=rngs, config=config, commit=commit,
+                     zclip=zclip_state, tokenizer=tokenizer_name)
+        # the Hugging Face directory; with LoRA, the adapters alone (PEFT's layout)
+        write = functools.partial(raw_model.save_pretrained, state_dict=weights)
+        if lora_rank:
+            write = functools.partial(save_adapters, raw_model.layers, rank=lora_rank,
+                                      alpha=lora_alpha, targets=targets, base=base)
+        failed[0] = checkpoint.save(out_dir, step, write, state, tokenizer_file,
+                                    keep_last, best_step)
+    if ddp:  # every rank learns whether rank 0 failed: none waits in a collective
         dist.broadcast_object_list(failed, src=0)
     if failed[0]:
         if ddp:
@@ -550,25 +460,18 @@ def save_checkpoint(step, data_state):
         sys.exit(f"error: {failed[0]}" if master else 1)
 
 
-if lr_find and state is None:  # on throwaway optimizers; the model is put back afterwards
+if lr_find and state is None:  # throwaway optimizers; the model is put back afterwards
     probe = new_optimizers()
     saved = {k: v.clone() for k, v in raw_model.state_dict().items()}
-    show = Progress('lr_find', 100, ' steps', 1, delay=2 if master else math.inf)
 
     def lr_probe(i, lr):
         """One optimizer step at LR lr on step i's batches; its loss."""
-        show(i + 1)
         set_lr(probe, lr / learning_rate)
-        loss, _ = micro_steps(0, batch(i, 0))
+        loss, _ = micro_steps(0, batches.get(i, 0))
         optimizer_step(probe, scaler)
         return all_mean(loss).item()
-    tried, losses, found = lr_range_test(lr_probe)
-    show(len(tried), last=True)
+    found = find_lr(lr_probe, out_dir, verbose=master)
     raw_model.load_state_dict(saved)
-    if master:
-        write_svg(os.path.join(out_dir, 'lr_find.svg'), tried, losses, found)
-        print(f"lr_find: suggested learning_rate {found:.2e} (steepest descent); "
-              f"curve in {out_dir}/lr_find.svg")
     min_lr = min_lr * found / learning_rate
     learning_rate = found
     optimizers = new_optimizers()
@@ -579,14 +482,12 @@ if wandb_log and master:
     try:
         import wandb
     except ImportError:
-        sys.exit("error: wandb_log=True needs wandb: pip install wandb (or set --wandb_log=False)")
+        sys.exit("error: wandb_log=True needs wandb: pip install wandb")
     wandb.init(project=wandb_project, config=config)
 tokens_per_step = gradient_accumulation_steps * world_size * batch_size * block_size
 log_path = os.path.join(out_dir, 'log.jsonl')
-if master and state is not None and os.path.exists(log_path):  # drop lines past the checkpoint
-    kept = [line for line in open(log_path) if json.loads(line)['step'] <= step]
-    with open(log_path, 'w') as f:
-        f.writelines(kept)
+if master and state is not None:
+    checkpoint.truncate_log(log_path, step)
 log = open(log_path, 'a') if master else None
 if master:
     print(f"tokens per optimizer step: {tokens_per_step:,} ({world_size} ranks); "
@@ -594,22 +495,20 @@ if master:
 start_step = step_last = step
 t_start = t_last = time.time()
 tokens_seen, nan_run = step * tokens_per_step, 0
-data_state = loader.state_dict() if loader else None
-b = batch(step, 0)
+data_state = batches.loader.state_dict() if batches.loader else None
+b = batches.get(step, 0)
 while step < max_steps:
     floor = min_lr / learning_rate
     factor = lr_factor(step, max_steps, warmup_steps, schedule, floor, decay_frac)
     lrs = set_lr(optimizers, factor)
-    if schedule == 'two_stage' and step >= max_steps // 2:  # BitNet b1.58 stage 2: no weight decay
-        for opt in optimizers:
-            for g in opt.param_groups:
-                g['weight_decay'] = 0.0
+    if schedule == 'two_stage' and step >= max_steps // 2:  # BitNet b1.58's second stage
+        drop_weight_decay(optimizers)
     if lambda_warmup:
         set_lambda(raw_model, min(1.0, step / (lambda_warmup * max_steps)))
     train_loss, metrics = micro_steps(step, b)
-    grad_norm, zclipped = clip_gradients()
+    grad_norm, zclipped = clip_gradients(model, optimizers, scaler, grad_clip, zclipper)
     skipped = not math.isfinite(grad_norm.item())
-    # a NaN/Inf loss or gradient (fp16 overflow, a bad batch): skip the update; give up after a run
+    # a NaN/Inf loss or gradient (fp16 overflow, a bad batch): skip the step, or stop
     nan_run = nan_run + 1 if skipped else 0
     if nan_run >= nan_patience:
         sys.exit(f"error: {nan_run} non-finite steps in a row at step {step}; "
@@ -620,16 +519,18 @@ while step < max_steps:
     mix = {}
     if remix_interval and step % remix_interval == 0:  # before the next batch is drawn
         mix = remix()
-    data_state = loader.state_dict() if loader else None  # where the next step reads (for resume)
-    b = batch(step, 0)
+    if batches.loader:  # where the next step reads
+        data_state = batches.loader.state_dict()
+    b = batches.get(step, 0)
     last = step == max_steps
 
     # evaluate: the val loss (and samples), the best one so far, early stopping
     rec, improved, stop = {}, False, False
     if step % eval_interval == 0 or last:
         rec['val_loss'] = evaluate()
-        if eval_prompts and (master or fsdp):  # under FSDP every rank takes part in each forward
-            rec['samples'] = continuations(eval_prompts, 48)  # read them beside the losses
+        if eval_prompts and (master or fsdp):  # under FSDP every rank runs each forward
+            with ctx:  # greedy continuations, read beside the losses
+                rec['samples'] = complete(raw_model, enc, eval_prompts, 48)
         improved = rec['val_loss'] < best_val - min_delta
         if improved:
             best_val, best_step, bad_evals = rec['val_loss'], step, 0
@@ -641,9 +542,10 @@ while step < max_steps:
     if step % log_interval == 0 or rec or skipped or zclipped or mix:
         now = time.time()
         tok_per_s = tokens_per_step * (step - step_last) / (now - t_last)
-        rec.update(step=step, loss=all_mean(train_loss).item(), grad_norm=grad_norm.item())
-        rec.update(lrs)
-        rec.update(tokens=tokens_seen, tok_per_s=round(tok_per_s), time_s=round(now - t_start, 2))
+        loss = all_mean(train_loss).item()
+        rec.update(step=step, loss=loss, grad_norm=grad_norm.item(), **lrs,
+                   tokens=tokens_seen, tok_per_s=round(tok_per_s),
+                   time_s=round(now - t_start, 2))
         for k, v in metrics.items():
             rec[k] = all_mean(v).item() if torch.is_tensor(v) else v
         rec.update(mix)
@@ -663,25 +565,27 @@ while step < max_steps:
             eta = (now - t_start) / (step - start_step) * (max_steps - step)
             val = f" | val {rec['val_loss']:.4f}" if 'val_loss' in rec else ''
             flag = ' | skipped (non-finite)' if skipped else ''
-            print(f"step {step}/{max_steps} | loss {rec['loss']:.4f}{val} | lr "
-                  f"{lrs['lr_hidden']:.2e} | {tok_per_s / 1e3:.1f}k tok/s | eta {eta:.0f}s{flag}")
+            print(f"step {step}/{max_steps} | loss {rec['loss']:.4f}{val} | "
+                  f"lr {lrs['lr_hidden']:.2e} | {tok_per_s / 1e3:.1f}k tok/s | "
+                  f"eta {eta:.0f}s{flag}")
         t_last, step_last = time.time(), step
 
-    # checkpoint: on a better val loss, at the end, on early stopping, and every ckpt_interval steps
+    # checkpoint: on a better val loss, at the end, at an early stop, every ckpt_interval
     if improved or last or stop or (ckpt_interval and step % ckpt_interval == 0):
         save_checkpoint(step, data_state)
     if stop:
         if master:
-            print(f"early stop: no val improvement above {min_delta} in {patience} evals "
-                  f"(best {best_val:.4f} at step {best_step})")
+            print(f"early stop: no val improvement above {min_delta} in {patience} "
+                  f"evals (best {best_val:.4f} at step {best_step})")
         break
 
 if (master or fsdp) and sample_tokens:
-    # at temperature 0.6 the tiny default model writes mostly real words (0.8: mostly made-up ones)
-    text = 'The ' + continuations(['The '], sample_tokens, temperature=0.6, top_k=50)[0]
+    # at temperature 0.6 the tiny default model writes mostly real words (0.8: made up)
+    with ctx:
+        text = 'The ' + complete(raw_model, enc, ['The '], sample_tokens, 0.6, 50)[0]
     if master:
         print('-' * 40 + '\n' + text + '\n' + '-' * 40)
 if ddp:
     dist.destroy_process_group()
-    # gloo threads free the last collectives' tensors under the GIL; exiting first aborts (SIGABRT)
+    # gloo threads free the last collectives' tensors under the GIL; exiting first aborts
     time.sleep(0.2)

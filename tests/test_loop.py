@@ -301,7 +301,6 @@ def test_auto_batch_size_with_a_fake_memory_limit():
         tried.append(b)
         if b > 20:
             raise torch.OutOfMemoryError('fake')
-    torch.cuda.empty_cache = lambda: None
     assert auto(try_batch, 128) == 16 and tried == [128, 64, 32, 16]
     assert auto(lambda b: None, 64) == 64
 
