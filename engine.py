@@ -13,13 +13,16 @@ weights; `fuse` then removes what is left around them: q/k/v (and gate/up) read 
 input, so each group becomes one packed matrix (one activation quantization and one
 kernel call, every row keeping its gamma: the same numbers), and the fp head, most of
 the bytes a small model reads per token, gets int8 rows (kernels.pack_int8, 4x fewer
-bytes than fp32; its held-out cost is in docs/llama_cpp.md).
+bytes than fp32; its held-out cost is in docs/llama_cpp.md). `profile_token` shows where
+the time of a decode token goes.
 """
 import functools
+import time
 
 import torch
 import torch.nn.functional as F
 
+import kernels
 from bitlinear import PackedBitLinear
 from kernels import pack_int8, ternary_linear
 
@@ -113,3 +116,36 @@ def weight_bytes(model):
     if model.head8:
         weights |= model.head8.keywords
     return sum(t.nbytes for t in weights.values())
+
+
+def profile_token(model, x, new):
+    """Where a decode token's time goes: ms per token in the LM head, the packed projections
+    (kernels.py), attention (SDPA) and the rest (norms, RoPE, the cache, residuals, Python),
+    timing each call during one greedy generate of `new` tokens from x."""
+    ms = dict.fromkeys(('head', 'projections', 'attention'), 0.0)
+
+    def timed(part, fn):
+        def run(*args, **kw):
+            t0 = time.perf_counter()
+            y = fn(*args, **kw)
+            ms[part(args[1]) if callable(part) else part] += (time.perf_counter() - t0) * 1e3
+            return y
+        return run
+
+    def kind(w):  # the int8 head of fuse() runs through the same op as the projections
+        return 'head' if w.dtype == torch.int8 else 'projections'
+    impl = kernels.best('cpu')
+    kernel, sdpa = kernels.IMPLS[impl], F.scaled_dot_product_attention
+    kernels.IMPLS[impl] = timed(kind, kernel)  # ternary_linear looks it up at every call
+    F.scaled_dot_product_attention = timed('attention', sdpa)
+    model.lm_head.forward = timed('head', model.lm_head.forward)
+    try:
+        t0 = time.perf_counter()
+        generate(model, x, new, temperature=0)
+        total = (time.perf_counter() - t0) * 1e3
+    finally:
+        kernels.IMPLS[impl] = kernel
+        F.scaled_dot_product_attention = sdpa
+        del model.lm_head.forward
+    parts = {k: v / new for k, v in ms.items()}
+    return parts | {'rest': (total - sum(ms.values())) / new, 'total': total / new}

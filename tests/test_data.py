@@ -16,6 +16,7 @@ import torch
 
 import data
 import hub
+import optim
 import tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -392,7 +393,7 @@ def test_remix_moves_weight_to_the_source_that_matches_val(tmp_path):
     val_batches = [val.next_batch() for _ in range(2)]
     weights = [loader.weights[0]]
     for _ in range(3):
-        scores = data.source_scores(model, loss_fn, loader.source_batches(), val_batches)
+        scores = optim.source_scores(model, loss_fn, loader.source_batches(), val_batches)
         assert scores['prose'] > scores['noise'] + 0.1
         weights.append(loader.reweight(scores, eta=0.5, floor=0.05)['prose'])
     assert all(p.grad is None for p in model.parameters())

@@ -76,6 +76,27 @@ def test_corrupt_checkpoint_is_one_line_error_and_kept(tmp_path):
     assert os.path.getsize(os.path.join(ckpt, 'model.safetensors')) == 100  # nothing was overwritten
 
 
+def test_sample_falls_back_from_a_damaged_newest_checkpoint(tmp_path):
+    """sample.py finds a run's checkpoint as resume does (checkpoint.find): a damaged newest
+    one is skipped with one warning line, and left in place; named directly, it is a one-line
+    error."""
+    out = str(tmp_path / 'out')
+    r = run([*TINY, f'--out_dir={out}', '--max_steps=4', '--eval_interval=4', '--ckpt_interval=2'])
+    assert r.returncode == 0, r.stderr
+    newest = os.path.join(out, 'ckpt_0000004')
+    with open(os.path.join(newest, 'model.safetensors'), 'r+b') as f:
+        f.seek(200)
+        f.write(b'\xff')  # a flipped byte: same size, another sha256
+    r = run([f'--ckpt={out}', '--num_tokens=4', '--prompt=Hi'], script='sample.py')
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count('\n') == 1 and 'ckpt_0000004' in r.stderr and 'model.safetensors' in r.stderr
+    assert f"--- {os.path.join(out, 'ckpt_0000002')}:" in r.stdout
+    assert os.path.isdir(newest)  # sample.py reads; it renames nothing
+    r = run([f'--ckpt={newest}', '--num_tokens=4'], script='sample.py')
+    assert r.returncode != 0 and r.stderr.count('\n') == 1, r.stderr
+    assert r.stderr.startswith('error: cannot load') and 'model.safetensors is damaged' in r.stderr
+
+
 def test_fine_tune_from_hf_dir_converts_to_bitnet_and_samples(tmp_path):
     from model import ModelConfig, Transformer
     src = str(tmp_path / 'fp')

@@ -1,0 +1,35 @@
+# SmolLM2-135M-Instruct made ternary by train.py, one run per recipe (`python bench.py distill`).
+# Every arm runs `shared` with its own settings on top: the same data order, steps and schedules.
+# The teacher is the frozen fp model; init_from, tokenizer and teacher are filled in by the runner.
+shared = dict(bitnet=True, max_steps=120, batch_size=2, block_size=256,
+              learning_rate=5e-4, min_lr=5e-5, warmup_steps=10, weight_decay=0.0,
+              lambda_warmup=0.5, eval_interval=40, eval_iters=4, log_interval=5,
+              keep_last=1, sample_tokens=0,
+              eval_prompts=['The try statement', 'def fibonacci(n):'])
+
+ce_kd = dict(objectives={'ce': {}, 'kd': {'temperature': 5.0}},
+             curriculum=[(1.0, {'ce': 1.0, 'kd': 1.0})])
+
+
+def bitdistill(attn):
+    """CE for half the steps, then CE + KD (T 5) + attention-relation KD of weight attn."""
+    return dict(
+        objectives={'ce': {}, 'kd': {'temperature': 5.0}, 'attn': {'layer': -1, 'heads': 4}},
+        curriculum=[(0.5, {'ce': 1.0}), (1.0, {'ce': 1.0, 'kd': 1.0, 'attn': attn})])
+
+
+arms = {
+    'CE only': {},
+    'CE + KD (T 5)': ce_kd,
+    'BitDistill': bitdistill(10.0),
+    'KD only (T 5)': dict(objectives={'kd': {'temperature': 5.0}},
+                          curriculum=[(1.0, {'kd': 1.0})]),
+    'CE + KD, SubLN gain 1': dict(ce_kd, subln_calib=0),
+    'CE + KD, no lambda warmup': dict(ce_kd, lambda_warmup=0.0),
+    'BitDistill, attention KD weight 1': bitdistill(1.0),
+    'CE + KD (T 1)': dict(ce_kd, objectives={'ce': {}, 'kd': {'temperature': 1.0}}),
+}
+
+# asked of the teacher, the CE-only student and the best arm, greedily, in the chat template
+chat = ['What is the capital of France?', 'Write a Python function that reverses a string.',
+        'Give me three tips for staying focused.']

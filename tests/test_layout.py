@@ -1,0 +1,76 @@
+"""The layout stays as designed: one concern per file, each inside its line budget, lines not
+packed, and imports pointing one way (scripts -> the pieces -> model -> bitlinear -> kernels;
+tokenizer and hub at the bottom). Read from the source files, so it stays true."""
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# non-blank lines, a line over 100 characters counting once per started 100
+BUDGETS = {'bitlinear.py': 300, 'kernels.py': 500, 'model.py': 450, 'engine.py': 300,
+           'lora.py': 150, 'objectives.py': 550, 'optim.py': 250, 'tokenizer.py': 250,
+           'hub.py': 200, 'data.py': 450, 'checkpoint.py': 200, 'gguf_export.py': 250,
+           'eval.py': 250, 'train.py': 550, 'configurator.py': 60, 'sample.py': 120,
+           'bench.py': 350}
+# a module may import project modules of lower levels only (tokenizer may use hub, beside it)
+LEVELS = {'kernels': 0, 'hub': 0, 'tokenizer': 0, 'bitlinear': 1, 'model': 2,
+          'objectives': 3, 'optim': 3, 'data': 3, 'checkpoint': 3, 'eval': 3, 'lora': 3,
+          'gguf_export': 3, 'engine': 3, 'configurator': 3,
+          'train': 4, 'sample': 4, 'bench': 4}
+BESIDE = {('tokenizer', 'hub')}
+# files that work when copied alone need nothing of the project (bitlinear.py falls back
+# to pure torch without kernels.py)
+ALONE = ('objectives', 'eval', 'kernels', 'hub', 'configurator')
+
+
+def lines(name):
+    with open(os.path.join(ROOT, name)) as f:
+        return [line.rstrip('\n') for line in f]
+
+
+def project_imports(name):
+    """The project modules a file imports, wherever in the file."""
+    tree = ast.parse(open(os.path.join(ROOT, name)).read())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split('.')[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            found.add(node.module.split('.')[0])
+    return found & set(LEVELS)
+
+
+def test_every_python_file_at_the_top_is_in_the_layout():
+    here = {f for f in os.listdir(ROOT) if f.endswith('.py')}
+    assert here == set(BUDGETS)
+
+
+@pytest.mark.parametrize('name', sorted(BUDGETS))
+def test_inside_budget_and_not_packed(name):
+    text = [line for line in lines(name) if line.strip()]
+    count = sum((len(line) + 99) // 100 for line in text)
+    assert count <= BUDGETS[name], f"{name}: {count} lines, budget {BUDGETS[name]}"
+    dense = [line for line in text if 90 <= len(line) <= 100]
+    assert len(dense) <= 0.08 * len(text), f"{name}: {len(dense)} of {len(text)} at 90-100"
+    assert all(len(line) <= 100 for line in text), f"{name} has lines over 100 characters"
+
+
+@pytest.mark.parametrize('name', sorted(BUDGETS))
+def test_imports_point_down(name):
+    me = name.removesuffix('.py')
+    for other in project_imports(name):
+        down = LEVELS[other] < LEVELS[me] or (me, other) in BESIDE
+        assert down, f"{name} imports {other}: against the flow of the layout"
+    if me in ALONE:
+        assert not project_imports(name), f"{name} must work when copied alone"
+
+
+def test_bitlinear_needs_kernels_only_when_it_is_there():
+    tree = ast.parse(open(os.path.join(ROOT, 'bitlinear.py')).read())
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert all(getattr(n, 'module', None) != 'kernels' for n in top)  # only inside try
+    tries = [n for n in tree.body if isinstance(n, ast.Try)]
+    assert any(isinstance(h.type, ast.Name) and h.type.id == 'ImportError'
+               for t in tries for h in t.handlers)
