@@ -55,3 +55,24 @@ def test_fuse_changes_only_the_head_and_saves_the_same_checkpoint(tmp_path):
         for _ in range(6):  # greedy decoding without a cache, one full forward per token
             seq = torch.cat((seq, model(seq)[:, -1].argmax(-1, keepdim=True)), dim=1)
     assert torch.equal(generate(model, idx, 6, temperature=0), seq)
+
+
+def test_profile_token_times_every_part_and_puts_everything_back():
+    import torch.nn.functional as F
+
+    import kernels
+    from engine import profile_token
+    torch.manual_seed(0)
+    model = fuse(Transformer(ModelConfig(vocab_size=300, n_layer=2, n_embd=64, n_head=4,
+                                         n_kv_head=2, intermediate_size=96,
+                                         bitnet=True)).eval().freeze())
+    impls, sdpa = dict(kernels.IMPLS), F.scaled_dot_product_attention
+    idx = tokens(300, B=1, T=5)
+    want = generate(model, idx, 4, temperature=0)
+    parts = profile_token(model, idx, 4)
+    assert set(parts) == {'head', 'projections', 'attention', 'rest', 'total'}
+    assert all(parts[k] > 0 for k in ('head', 'projections', 'attention', 'total'))
+    assert abs(sum(v for k, v in parts.items() if k != 'total') - parts['total']) < 1e-9
+    assert kernels.IMPLS == impls and F.scaled_dot_product_attention is sdpa
+    assert 'forward' not in vars(model.lm_head)
+    assert torch.equal(generate(model, idx, 4, temperature=0), want)
