@@ -123,7 +123,7 @@ def _tokenize(unit):
     return split, chars, tokens, mask
 
 
-def _documents(path, fmt):
+def documents(path, fmt):
     """A file's documents: jsonl lines, or text between <|endoftext|> markers
     (TinyStories)."""
     with open(path, encoding='utf-8') as f:
@@ -144,7 +144,7 @@ def _units(files, val_files, val_every, fmt, unit):
     those of the whole."""
     buffers, sizes, n = {'train': [], 'val': []}, {'train': 0, 'val': 0}, 0
     for split, path in [('train', p) for p in files] + [('val', p) for p in val_files]:
-        for doc in _documents(path, fmt):
+        for doc in documents(path, fmt):
             n += 1
             to_val = split == 'val' or (not val_files and n % val_every == 0)
             s = 'val' if to_val else 'train'

@@ -384,15 +384,15 @@ torch::Tensor linear_w8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, i
 
 
 @functools.cache
-def _cpp():
+def cpp_extension():
     from torch.utils.cpp_extension import load_inline  # torch caches the build across runs
     return load_inline('nanobitnet_cpu', CPP, functions=['linear', 'linear_w8', 'simd'],
                        extra_cflags=['-O3', '-fopenmp'], extra_ldflags=['-fopenmp'])
 
 
 def linear_cpp(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
-    fn = _cpp().linear_w8 if w.dtype == torch.int8 else _cpp().linear
-    return fn(x.contiguous(), w.contiguous(), gamma, _cpp().simd())
+    fn = cpp_extension().linear_w8 if w.dtype == torch.int8 else cpp_extension().linear
+    return fn(x.contiguous(), w.contiguous(), gamma, cpp_extension().simd())
 
 
 # ---------------------------------------------------------------- 4. CUDA kernel
@@ -483,7 +483,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma) {
 
 
 @functools.cache
-def _cuda():
+def cuda_extension():
     from torch.utils.cpp_extension import load_inline
     decl = 'torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma);'
     return load_inline('nanobitnet_cuda', decl, cuda_sources=GEMV_CU + LAUNCH_CU,
@@ -500,7 +500,7 @@ def linear_cuda(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.
     # int8: _linear's matmul
     if w.dtype == torch.int8 or (M > 16 and K % 8 == 0 and N % 8 == 0):
         return _linear(_int_mm, x, w, gamma)
-    return _cuda().linear(x, w.contiguous(), gamma)
+    return cuda_extension().linear(x, w.contiguous(), gamma)
 
 
 IMPLS = dict(reference=linear_reference, compile=linear_compile, cpp=linear_cpp,
@@ -534,14 +534,14 @@ def choose(device_type):
             from torch.utils.cpp_extension import CUDA_HOME
             if CUDA_HOME is None:
                 raise RuntimeError("no CUDA toolkit (nvcc) found")
-            _cuda()
+            cuda_extension()
             return 'cuda'
         if platform.machine().lower() not in ('x86_64', 'amd64'):
             raise RuntimeError("the C++ kernel is x86-only and this is "
                                f"{platform.machine()}")
         if not has_cxx:
             raise RuntimeError("no C++ compiler found (set CXX or install g++)")
-        if not _cpp().simd():
+        if not cpp_extension().simd():
             raise RuntimeError("this CPU has no AVX2")
         return 'cpp'
     except Exception as e:  # a failed build must not stop inference, only slow it down

@@ -489,7 +489,7 @@ def test_prepare_throughput(tmp_path):
         vocab_size=32000, special_tokens=['<|endoftext|>'], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
     tok.save(str(tmp_path / 'tokenizer.json'))
     enc = tokenizer.get_tokenizer(str(tmp_path / 'tokenizer.json'))
-    docs = list(data._documents(path, 'text'))
+    docs = list(data.documents(path, 'text'))
     mb = os.path.getsize(path) / 1e6
     alone, ours = [], []
     for run in range(3):  # a shared machine: alternate, and take the best of each

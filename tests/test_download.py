@@ -162,7 +162,7 @@ def test_tokenizer_from_a_hub_model_id(hub_server):
     assert enc.encode_ordinary('hello world') == tok.encode('hello world').ids and tokenizer.eos_id(enc) == 0
 
 
-DOWNLOAD = """import sys, data
+DOWNLOAD = """import sys, hub
 try:
     hub.hub_download(sys.argv[1], sys.argv[2])
 except hub.DownloadError as e:
@@ -197,7 +197,7 @@ def _read(fd):
 @pytest.mark.slow
 @pytest.mark.parametrize('tty', [True, False])
 def test_download_shows_progress(hub_server, tty):
-    lines, raw = download_lines(hub, tty)
+    lines, raw = download_lines(hub_server, tty)
     done = [float(re.search(r': ([\d.]+) / 4\.0 MB', line)[1]) for line in lines]
     assert all(line.startswith('download big.bin: ') and 'MB/s' in line for line in lines), lines
     assert done == sorted(done) and done[-1] == 4.0  # growing byte counts, then the total

@@ -43,7 +43,7 @@ def cpp():
     """One build of the C++ extension for the whole module (torch caches it across runs)."""
     if not has_cxx or kernels.best('cpu') != 'cpp':
         pytest.skip("no C++ compiler, or a CPU without AVX2: the C++ path falls back")
-    return kernels._cpp()
+    return kernels.cpp_extension()
 
 
 # ---------------------------------------------------------------- packing
