@@ -372,7 +372,7 @@ class Loader:
 
     def source_batches(self):
         """One batch of each source alone, to score the sources
-        (objectives.source_scores)."""
+        (optim.source_scores)."""
         return {name: self._batch([k] * self.B) for k, name in enumerate(self.names)}
 
     def reweight(self, scores, eta=1.0, floor=0.05):

@@ -273,7 +273,7 @@ class Transformer(nn.Module):
     def from_pretrained(cls, path, dtype=torch.float32):
         """Load a Hugging Face Llama or BitNet checkpoint directory (online: latent
         weights; offline: packed, loaded frozen): config.json plus model.safetensors, or
-        shards listed in model.safetensors.index.json. (data.resolve_model fetches a hub
+        shards listed in model.safetensors.index.json. (hub.resolve_model fetches a hub
         id into a directory.)"""
         if not os.path.isfile(os.path.join(path, 'config.json')):
             raise FileNotFoundError(f"{path!r} is not a checkpoint directory "

@@ -317,7 +317,7 @@ class LocalTeacher:
 
 class BaseTeacher(LocalTeacher):
     """A LoRA student's frozen base as the teacher (DPO's reference): the student itself
-    with its adapters switched off by `switch(model, on)` (bitlinear.set_adapters),
+    with its adapters switched off by `switch(model, on)` (lora.set_adapters),
     so the model is held once."""
 
     def __init__(self, model, switch):

@@ -106,8 +106,8 @@ if export:
     if adapters:
         path = export.removesuffix('.gguf') + '-lora.gguf'
         save_lora_gguf(path, adapter_state(model.layers), lora['lora_alpha'])
-        name = os.path.basename(path)
-        print(f"wrote {path}: the adapters (llama-cli -m BASE.gguf --lora {name})")
+        print(f"wrote {path}: the adapters "
+              f"(llama-cli -m BASE.gguf --lora {os.path.basename(path)})")
     sys.exit()
 
 if model.config.packed:

@@ -167,7 +167,7 @@ if ptdtype is None:
 ctx = nullcontext()
 if ptdtype != torch.float32:
     ctx = torch.autocast(device_type, dtype=ptdtype)
-torch.manual_seed(seed + rank)  # not the batches (seeded by step); diffusion's masks
+torch.manual_seed(seed + rank)  # e.g. diffusion's masks (batches have seeds of their own)
 os.makedirs(out_dir, exist_ok=True)
 commit = checkpoint.git_commit()  # saved with every checkpoint
 
@@ -236,8 +236,8 @@ def load(path):
 step, best_val, best_step, bad_evals = 0, float('inf'), 0, 0
 arch = ('n_layer', 'n_embd', 'n_head', 'n_kv_head', 'intermediate_size', 'act', 'bitnet')
 # what a resumed run cannot change (a setting newer than its checkpoint: as now)
-fixed = arch + ('lrc_rank', 'lora_rank', 'lora_targets', 'tokenizer', 'optimizer')
-fixed += ('zero1',)
+fixed = arch + ('lrc_rank', 'lora_rank', 'lora_targets', 'tokenizer', 'optimizer',
+                'zero1')
 if init_from == 'scratch':
     # the vocabulary padded to a multiple of 64 (faster matmuls, spare rows such as
     # diffusion's mask token); documents start with EOS, so it is also the BOS
@@ -260,9 +260,9 @@ else:
     if enc.n_vocab > model.config.vocab_size:
         sys.exit(f"error: tokenizer {tokenizer_name!r} has {enc.n_vocab} tokens but the "
                  f"model only {model.config.vocab_size}; use the model's tokenizer")
-    longest = model.config.max_seq_len
-    if longest < block_size:
-        sys.exit(f"error: block_size={block_size} exceeds max_seq_len={longest}")
+    if model.config.max_seq_len < block_size:
+        sys.exit(f"error: block_size={block_size} exceeds "
+                 f"max_seq_len={model.config.max_seq_len}")
 model.to(device)
 if bitnet and not model.config.bitnet and not lora_rank:  # SubLN calibrated on batches
     model.to_bitnet(batches.calibration(subln_calib))
@@ -321,8 +321,8 @@ elif auto_batch:
     gradient_accumulation_steps = max(1, wanted // batch_size)
     if batches.loader:  # it has read nothing yet (a resumed one is restored below)
         batches.loader = batches.new_loader()
-    accumulated = gradient_accumulation_steps
-    print(f"auto_batch: batch_size={batch_size} x {accumulated} accumulation steps")
+    print(f"auto_batch: batch_size={batch_size} x "
+          f"{gradient_accumulation_steps} accumulation steps")
 
 # optimizers, the fp16 gradient scaler, ZClip, and everything a resumed run restores
 if optimizer not in ('adamw', 'muon') or schedule not in SCHEDULES:
@@ -333,10 +333,10 @@ scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)
 
 def new_optimizers():
     """AdamW, or Muon on the hidden matrices, each group at its own base LR."""
-    lrs = (learning_rate, weight_decay, embed_lr, head_lr, scalar_lr)
-    groups = param_groups(raw_model, *lrs)
-    betas = (beta1, beta2)
-    return make_optimizers(groups, optimizer, learning_rate, betas, zero1 and ddp)
+    groups = param_groups(raw_model, learning_rate, weight_decay, embed_lr, head_lr,
+                          scalar_lr)
+    return make_optimizers(groups, optimizer, learning_rate, (beta1, beta2),
+                           zero1 and ddp)
 
 
 if fsdp:  # each block gathered for its forward and backward, then freed (fp32 on CPU)
@@ -358,8 +358,8 @@ if state is not None:
     if zclipper:
         vars(zclipper).update(state['zclip'])
     if len(state['rng']) != world_size:
-        ranks = len(state['rng'])
-        sys.exit(f"error: {start} was trained on {ranks} ranks; resume on as many")
+        sys.exit(f"error: {start} was trained on {len(state['rng'])} ranks; "
+                 "resume on as many")
     mine = state['rng'][rank]
     checkpoint.set_rng_state(mine, device_type)  # e.g. the masks of masked diffusion
     if batches.loader:
@@ -436,8 +436,8 @@ def save_checkpoint(step, data_state):
     if ddp:
         dist.all_gather_object(rngs, mine)
     weights = checkpoint.model_state(raw_model, fsdp)
-    zero = zero1 and ddp
-    opts = checkpoint.optimizer_states(raw_model, optimizers, fsdp, zero, master)
+    opts = checkpoint.optimizer_states(raw_model, optimizers, fsdp, zero1 and ddp,
+                                       master)
     failed = [None]
     if master:
         zclip_state = vars(zclipper) if zclipper else None

@@ -220,7 +220,7 @@ def test_real_model_converted_at_lambda_0_keeps_its_held_out_loss(real):
 
 @pytest.mark.slow
 def test_real_model_int8_head_keeps_held_out_loss_and_greedy_answers(real):
-    """Transformer.fuse gives the head int8 rows (4x fewer bytes per token). On the real model, that
+    """engine.fuse gives the head int8 rows (4x fewer bytes per token). On the real model, that
     must barely change what it says: held-out loss within 0.01 nats; greedy chat answers the same for
     their first 16 tokens (measured: the third answer takes another turn after 22 tokens)."""
     from tokenizer import chat_prompt, get_tokenizer
