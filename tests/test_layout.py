@@ -22,7 +22,7 @@ LEVELS = {'kernels': 0, 'hub': 0, 'tokenizer': 0, 'bitlinear': 1, 'model': 2,
 BESIDE = {('tokenizer', 'hub')}
 # files that work when copied alone need nothing of the project (bitlinear.py falls back
 # to pure torch without kernels.py)
-ALONE = ('objectives', 'eval', 'kernels', 'hub', 'configurator')
+ALONE = ('objectives', 'kernels', 'hub', 'configurator')
 
 
 def lines(name):
