@@ -15,16 +15,75 @@ kernel call, every row keeping its gamma: the same numbers), and the fp head, mo
 the bytes a small model reads per token, gets int8 rows (kernels.pack_int8, 4x fewer
 bytes than fp32; its held-out cost is in docs/llama_cpp.md). `profile_token` shows where
 the time of a decode token goes.
+
+`load` opens a checkpoint for use (sample.py, eval.py): found as train.py finds one, with
+its LoRA adapters, packed, and the name of the tokenizer it was trained with.
+`llama_cpp_forward` runs a GGUF export through llama.cpp behind the same signature as a
+model's forward (token ids to logits), so that both are scored by the same code.
 """
 import functools
+import os
 import time
 
 import torch
 import torch.nn.functional as F
 
+import checkpoint
 import kernels
 from bitlinear import PackedBitLinear
 from kernels import pack_int8, ternary_linear
+from lora import add_lora, load_adapters, read_config
+from model import Transformer
+
+
+def load(src, device='cpu', packed=True, tokenizer=''):
+    """(checkpoint directory, model in eval mode, tokenizer name) for `src`: a run's
+    folder, a checkpoint, a Hugging Face directory or a hub id (checkpoint.find). A LoRA
+    checkpoint (adapter_config.json) is loaded onto the base it names, adapters added. A
+    ternary model is frozen to 2-bit weights unless not `packed`. The tokenizer is
+    `tokenizer` if given, else the checkpoint's tokenizer.json, else the one its training
+    state names (tiktoken and byte tokenizers have no file), else 'bytes'. Raises
+    OSError, ValueError, RuntimeError or KeyError saying what is wrong."""
+    ckpt = checkpoint.find(src)
+    lora = read_config(ckpt)  # a LoRA checkpoint holds the adapters alone
+    base = lora['base_model_name_or_path'] if lora else ckpt
+    model = Transformer.from_pretrained(base).to(device).eval()
+    if lora:
+        add_lora(model.layers, lora['r'], lora['lora_alpha'], lora['target_modules'])
+        load_adapters(model.layers, ckpt)
+    if packed and model.config.bitnet and not model.config.packed:
+        model.freeze()
+    state = os.path.join(ckpt, checkpoint.STATE)
+    if not tokenizer and os.path.exists(os.path.join(ckpt, 'tokenizer.json')):
+        tokenizer = ckpt
+    elif not tokenizer and os.path.exists(state):
+        tokenizer = torch.load(state, weights_only=True)['tokenizer']
+    return ckpt, model, tokenizer or 'bytes'
+
+
+def llama_cpp_forward(path, max_len=2048):
+    """(forward, context length) for a GGUF file run by llama.cpp (llama-cpp-python),
+    its context cut to max_len: each row is evaluated from an empty cache, and the logits
+    of every position are returned."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise ImportError("scoring a GGUF file needs llama-cpp-python: "
+                          "pip install llama-cpp-python") from None
+    meta = llama_cpp.Llama(path, vocab_only=True, verbose=False).metadata
+    arch = meta['general.architecture']
+    n_ctx = min(int(meta[f'{arch}.context_length']), max_len)
+    llm = llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
+                          logits_all=True, verbose=False)
+
+    def forward(x):
+        rows = []
+        for ids in x.tolist():
+            llm.reset()
+            llm.eval(ids)
+            rows.append(torch.from_numpy(llm.scores[:len(ids)].copy()))
+        return torch.stack(rows)
+    return forward, n_ctx
 
 
 @torch.no_grad()

@@ -26,6 +26,7 @@ the context. The model reads the context's own tokens, then those.
 
 The scoring functions need torch and a forward that maps token ids (B, T) to logits.
 """
+import functools
 import glob
 import gzip
 import json
@@ -39,40 +40,64 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
+from configurator import configure
+from data import offline_corpus
+from engine import llama_cpp_forward, load
 from hub import DownloadError, Progress, cache_dir
+from tokenizer import eos_id, get_tokenizer
 
 IGNORE = -100  # a target that does not count, as in objectives.py and data.py
 
 
+def token_bytes(enc, vocab_size):
+    """The length in UTF-8 bytes of each token id's text, a (vocab_size,) tensor to count
+    the bytes of targets with: 0 for special tokens (end of text is no text) and for the
+    ids the tokenizer lacks (an embedding's padding rows)."""
+    lengths = [0] * vocab_size
+    specials = {enc.encode_single_token(t) for t in enc.special_tokens_set}
+    for i in range(min(enc.n_vocab, vocab_size)):
+        if i not in specials:
+            try:
+                lengths[i] = len(enc.decode_single_token_bytes(i))
+            except KeyError:  # a hole in the vocabulary
+                pass
+    return torch.tensor(lengths)
+
+
 @torch.no_grad()
-def loss_sums(model, batches, ctx=nullcontext(), progress=None):
-    """[summed cross-entropy, counted targets] over a list of batches ({'x', 'y'}) as one
-    tensor, so that ranks can add theirs in one all-reduce before dividing. After each
-    batch, progress(batches done, last=...) if given (a hub.Progress)."""
-    sums = torch.zeros(2, device=next(model.parameters()).device)
+def loss_sums(model, batches, ctx=nullcontext(), progress=None, lengths=None):
+    """[summed cross-entropy, counted targets, their bytes] over a list of batches
+    ({'x', 'y'}) as one tensor, so that ranks can add theirs in one all-reduce before
+    dividing. The bytes are counted with `lengths` (token_bytes) if given, else 0. After
+    each batch, progress(batches done, last=...) if given (a hub.Progress)."""
+    device = next(model.parameters()).device
+    sums = torch.zeros(3, device=device)
     for i, b in enumerate(batches):
         with ctx:
             logits = model(b['x'])
             loss = F.cross_entropy(logits.float().flatten(0, 1), b['y'].flatten(),
                                    ignore_index=IGNORE, reduction='sum')
-            counted = (b['y'] != IGNORE).sum()
-            sums += torch.stack([loss, counted])
+        counted = b['y'] != IGNORE
+        nbytes = lengths.to(device)[b['y'][counted]].sum() if lengths is not None else 0
+        sums += torch.stack([loss, counted.sum(), torch.as_tensor(nbytes, device=device)])
         if progress:
             progress(i + 1, last=i + 1 == len(batches))
     return sums
 
 
 @torch.no_grad()
-def heldout(model, tokens, enc, T=512):
+def heldout(forward, tokens, enc, T=512, device='cpu'):
     """{'nats': per token, 'bpb': bits per byte} of a held-out token array, in windows
-    of T tokens (each window predicts its own tokens from its first on)."""
+    of T tokens (each window predicts its own tokens from its first on). forward: a model,
+    or any function from token ids (1, T) to logits."""
+    lengths = token_bytes(enc, enc.n_vocab)
     nats = 0.0
     nbytes = 0
     for i in range(0, len(tokens) - 1, T):
         x = torch.from_numpy(tokens[i:i + T + 1].astype('int64'))[None]
-        logits = model(x[:, :-1])[0].float()
+        logits = forward(x[:, :-1].to(device))[0].float()
         nats += F.cross_entropy(logits, x[0, 1:], reduction='sum').item()
-        nbytes += sum(len(enc.decode_single_token_bytes(t)) for t in x[0, 1:].tolist())
+        nbytes += lengths[x[0, 1:]].sum().item()
     return dict(nats=nats / (len(tokens) - 1), bpb=nats / math.log(2) / nbytes)
 
 
@@ -115,6 +140,7 @@ def questions(lines):
     return result
 
 
+@functools.cache  # train.py scores the same questions at every evaluation
 def load_task(name, limit=None, package=None):
     """The first `limit` questions (all: None) of a task of the request package."""
     with zipfile.ZipFile(package or request_package()) as z:
@@ -142,7 +168,7 @@ def encode_pair(enc, context, continuation, prefix_id):
 
 @torch.no_grad()
 def choice_logprobs(forward, enc, qs, prefix_id, max_len, batch_tokens=1024,
-                    what='score'):
+                    what='score', device='cpu'):
     """The summed log-probability of each choice's continuation, a list per question.
     forward(ids (B, T)) -> logits (B, T, vocab). Sequences are cut to their last
     max_len + 1 tokens, sorted by length and run in batches of up to batch_tokens
@@ -163,7 +189,7 @@ def choice_logprobs(forward, enc, qs, prefix_id, max_len, batch_tokens=1024,
         x = torch.zeros(len(batch), width, dtype=torch.long)
         for b, (_, _, ids, _) in enumerate(batch):
             x[b, :len(ids)] = torch.tensor(ids)
-        logits = forward(x)  # (B, T, vocab)
+        logits = forward(x.to(device))  # (B, T, vocab)
         for b, (i, j, ids, cont) in enumerate(batch):
             # only the positions that predict the continuation need a log-softmax
             at = torch.arange(len(ids) - len(cont), len(ids))
@@ -195,3 +221,64 @@ def accuracy(qs, sums):
     result['acc'], result['acc_stderr'] = mean_and_stderr(acc)
     result['acc_norm'], result['acc_norm_stderr'] = mean_and_stderr(acc_norm)
     return result
+
+
+def zero_shot(forward, enc, tasks, max_len, batch_tokens=1024, package=None,
+              device='cpu'):
+    """{task: accuracy(...)} for tasks named 'name' (all its questions) or 'name:limit'
+    (its first `limit`), e.g. ['arc_easy:200', 'piqa']; the token ids go to `device`."""
+    results = {}
+    for task in tasks:
+        name, _, limit = task.partition(':')
+        qs = load_task(name, int(limit) if limit else None, package)
+        sums = choice_logprobs(forward, enc, qs, eos_id(enc), max_len, batch_tokens, name,
+                               device)
+        results[name] = accuracy(qs, sums)
+    return results
+
+
+def main(argv):
+    """The command line: a checkpoint (or a GGUF file) on tasks and held-out text, as JSON."""
+    settings = dict(
+        ckpt='out',           # a run's folder, a checkpoint, a HF directory or a hub id
+        tasks='hellaswag,arc_easy,arc_challenge,piqa,winogrande',
+        limit=0,              # the first this many questions of each task (0: all)
+        heldout=True,         # also nats per token and bits per byte of held-out text
+        tokenizer='',         # '' is the checkpoint's (needed with --gguf)
+        packed=True,          # ternary models on 2-bit weights (False: fake-quantized)
+        gguf='',              # a GGUF file to score through llama.cpp instead of ckpt
+        batch_tokens=1024,    # tokens per forward
+        device='cuda' if torch.cuda.is_available() else 'cpu',
+        out='')               # also write the JSON there
+    c = configure(settings, argv)
+    tasks = [t + (f':{c["limit"]}' if c['limit'] else '') for t in c['tasks'].split(',')]
+    try:
+        if c['gguf']:
+            if not c['tokenizer']:
+                sys.exit("error: --gguf needs --tokenizer, e.g. the checkpoint it came from")
+            forward, max_len = llama_cpp_forward(c['gguf'])
+            tokenizer = c['tokenizer']
+            result = {'gguf': c['gguf']}
+        else:
+            ckpt, model, tokenizer = load(c['ckpt'], c['device'], c['packed'], c['tokenizer'])
+            max_len = model.config.max_seq_len
+            packed = model.config.packed
+            forward = model
+            result = {'ckpt': ckpt, 'bitnet': model.config.bitnet, 'packed': packed}
+        enc = get_tokenizer(tokenizer)
+        result['tasks'] = zero_shot(forward, enc, tasks, max_len, c['batch_tokens'],
+                                    device=c['device'])
+    except (OSError, ValueError, RuntimeError, KeyError, ImportError) as e:
+        sys.exit(f"error: {e}")
+    if c['heldout']:  # the offline corpus's last 10%, which no run trains on
+        val = offline_corpus(enc)[1]
+        result['heldout'] = heldout(forward, val, enc, device=c['device'])
+    text = json.dumps(result, indent=1)
+    print(text)
+    if c['out']:
+        with open(c['out'], 'w') as f:
+            f.write(text + '\n')
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])

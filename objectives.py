@@ -193,6 +193,17 @@ class LRCReconstruction(Objective):
         return total / len(s['hidden'])
 
 
+def mask_token(enc, vocab_size):
+    """Masked diffusion's mask id: the tokenizer's <|mask|> token, or else the first
+    embedding row past the tokenizer's vocabulary (a spare row of the padding)."""
+    if '<|mask|>' in enc.special_tokens_set:
+        return enc.encode_single_token('<|mask|>')
+    if enc.n_vocab >= vocab_size:
+        raise ValueError("diffusion needs a mask token; the tokenizer has no <|mask|> "
+                         "and the embedding no spare row")
+    return enc.n_vocab
+
+
 class MaskedDiffusion(Objective):
     """Masked-diffusion LM. Per sequence draw t ~ U(0, 1) and mask each counted token
     with probability p = (1 - eps) t + eps, using a dedicated mask id. The model sees

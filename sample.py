@@ -7,7 +7,7 @@ Generate text from a checkpoint:
     python sample.py --ckpt=out-lora                 # a base model with LoRA adapters
 
 `ckpt` is a run's folder, a checkpoint, a Hugging Face Llama/BitNet directory or a hub id,
-found as train.py finds one (checkpoint.find). A ternary model runs packed (2-bit weights,
+found as train.py finds one (engine.load). A ternary model runs packed (2-bit weights,
 kernels.py) and fused (engine.fuse) unless --packed=False. Prints the text, the decode
 speed and the weights' memory. --export=FILE writes a GGUF file that llama.cpp runs
 (gguf_export.py), with the tokenizer and its chat template.
@@ -26,11 +26,9 @@ import torch
 
 import checkpoint
 from configurator import configure
-from engine import fuse, generate, weight_bytes
+from engine import fuse, generate, load, weight_bytes
 from gguf_export import gguf_vocab, save_gguf, save_lora_gguf
-from lora import (add_lora, adapter_state, base_state, load_adapters, merge_lora,
-                  read_config)
-from model import Transformer
+from lora import adapter_state, base_state, merge_lora, read_config
 from tokenizer import chat_prompt, chat_template, chat_template_text, get_tokenizer
 
 ckpt = 'out'
@@ -53,17 +51,10 @@ config = configure(settings, sys.argv[1:])
 globals().update(config)
 
 try:
-    ckpt = checkpoint.find(ckpt)
-    lora = read_config(ckpt)  # a LoRA checkpoint holds the adapters alone
-    base = lora['base_model_name_or_path'] if lora else ckpt
-    model = Transformer.from_pretrained(base).to(device).eval()
-    if lora:
-        add_lora(model.layers, lora['r'], lora['lora_alpha'], lora['target_modules'])
-        load_adapters(model.layers, ckpt)
+    ckpt, model, tokenizer = load(ckpt, device, packed, tokenizer)
+    lora = read_config(ckpt)
 except (OSError, ValueError, RuntimeError, KeyError) as e:
     sys.exit(f"error: cannot load {ckpt!r}: {e}")
-if packed and model.config.bitnet and not model.config.packed:
-    model.freeze()
 merge_lora(model)  # an fp base's adapters are folded into it; a ternary base keeps them
 if merge and not lora:
     sys.exit(f"error: --merge takes a LoRA checkpoint (with adapter_config.json); "
@@ -78,13 +69,8 @@ if merge:
         checkpoint.copy_tokenizer(os.path.join(ckpt, 'tokenizer.json'), merge)
     print(f"wrote {merge}: the base with its LoRA adapters merged")
     sys.exit()
-state = os.path.join(ckpt, checkpoint.STATE)
-if not tokenizer and os.path.exists(os.path.join(ckpt, 'tokenizer.json')):
-    tokenizer = ckpt  # the checkpoint's own
-elif not tokenizer and os.path.exists(state):
-    tokenizer = torch.load(state, weights_only=True)['tokenizer']  # the one it trained with
 try:
-    enc = get_tokenizer(tokenizer or 'bytes')
+    enc = get_tokenizer(tokenizer)
     end = chat_template(enc)[2] if chat else ''  # the token that ends an answer
     ids = chat_prompt(enc, prompt) if chat else enc.encode_ordinary(prompt)
 except (OSError, ValueError) as e:

