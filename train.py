@@ -399,7 +399,7 @@ def micro_steps(step, b):
     return loss_sum / gradient_accumulation_steps, metrics
 
 
-val_bytes = token_bytes(enc, raw_model.config.vocab_size)  # each token's length in bytes
+val_bytes = token_bytes(enc, raw_model.config.vocab_size).to(device)  # each token's bytes
 
 
 def evaluate():
@@ -407,7 +407,7 @@ def evaluate():
     batches every time (there is no dropout, so no model.eval())."""
     delay = 2 if master else math.inf  # only rank 0 shows progress
     show = Progress('evaluate', eval_iters, ' batches', 1, delay=delay)
-    sums = loss_sums(model, batches.val_batches(eval_iters), ctx, show, val_bytes)
+    sums = loss_sums(model, batches.val_batches(eval_iters), val_bytes, ctx, show)
     loss, counted, nbytes = all_mean(sums).tolist()  # a CPU-GPU sync
     if not counted:
         sys.exit("error: no val batch holds a counted target; raise eval_iters")

