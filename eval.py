@@ -273,7 +273,7 @@ def main(argv):
         sys.exit(f"error: {e}")
     if c['heldout']:  # the offline corpus's last 10%, which no run trains on
         val = offline_corpus(enc)[1]
-        result['heldout'] = heldout(forward, val, enc, device=c['device'])
+        result['heldout'] = heldout(forward, val, enc, min(512, max_len), c['device'])
     text = json.dumps(result, indent=1)
     print(text)
     if c['out']:

@@ -269,3 +269,31 @@ def test_export_from_the_command_line_carries_the_chat_template(tmp_path):
     r = subprocess.run([sys.executable, 'sample.py', f'--ckpt={ckpt}', f'--export={tmp_path / "x.gguf"}',
                         '--export_ternary=tq3'], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and r.stderr.count('\n') == 1 and 'tq2_0' in r.stderr  # one line, the choices
+
+
+@pytest.mark.slow
+def test_an_export_scores_through_llama_cpp_as_the_checkpoint_does(trained, tmp_path):
+    """python eval.py --gguf on the real ARC-Easy requests and held-out text: the same answers and
+    losses as our packed model through the same scorer (llama.cpp's fp16 KV cache moves sums a little)."""
+    import json
+
+    import eval
+    from engine import load
+    path = tmp_path / 'm.gguf'
+    subprocess.run([sys.executable, 'sample.py', f'--ckpt={trained["blocks"]}', f'--export={path}'], cwd=ROOT,
+                   check=True, capture_output=True, timeout=300)
+    r = subprocess.run([sys.executable, 'eval.py', f'--gguf={path}', '--tokenizer=bytes', '--tasks=arc_easy',
+                        '--limit=40', f'--out={tmp_path / "r.json"}'], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    theirs = json.load(open(tmp_path / 'r.json'))
+    _, ours, _ = load(trained['blocks'])
+    enc = tokenizer.get_tokenizer('bytes')
+    qs = eval.load_task('arc_easy', 40)
+    sums = eval.choice_logprobs(ours, enc, qs, tokenizer.eos_id(enc), 128)
+    want = eval.accuracy(qs, sums)
+    assert abs(theirs['tasks']['arc_easy']['acc'] - want['acc']) <= 1 / 40  # a near-tie may flip
+    assert abs(theirs['tasks']['arc_easy']['acc_norm'] - want['acc_norm']) <= 1 / 40
+    held = eval.heldout(ours, data.offline_corpus(enc)[1], enc, T=128)
+    assert theirs['heldout']['nats'] == pytest.approx(held['nats'], abs=0.01)
+    assert theirs['heldout']['bpb'] == pytest.approx(held['bpb'], abs=0.015)
