@@ -12,9 +12,9 @@ every file: a disk can still cut or flip bytes later, and the manifest is how a 
 tells. A failed write (a full disk) removes its temporary directory and says in one line
 which checkpoint is intact.
 
-`find` is the one way train.py, sample.py and bench.py find a checkpoint: a run's folder
-gives its newest intact one (a damaged one is skipped with a warning), a checkpoint named
-directly is verified, a hub id is downloaded.
+`find` is the one way train.py, sample.py, eval.py and bench.py find a checkpoint: a
+run's folder gives its newest intact one (a damaged one is skipped with a warning), a
+checkpoint named directly is verified, a hub id is downloaded.
 """
 import errno
 import hashlib
