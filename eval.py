@@ -148,9 +148,8 @@ def load_task(name, limit=None, package=None):
             tasks = ', '.join(sorted(tasks))
             raise ValueError(f"unknown task {name!r}; choose from {tasks}")
         text = gzip.decompress(z.read(TASKS + name + REQUESTS)).decode()
-        config = {}
-        if TASKS + name + CONFIG in names:
-            config = json.loads(z.read(TASKS + name + CONFIG))
+        has_config = TASKS + name + CONFIG in names
+        config = json.loads(z.read(TASKS + name + CONFIG)) if has_config else {}
     metric = config.get('task_config', {}).get('metric_kwargs', {})
     return questions(text.splitlines(), metric.get('uncond_docid_offset'))[:limit]
 
@@ -173,8 +172,9 @@ def choice_logprobs(forward, enc, qs, prefix_id, max_len, batch_tokens=1024,
                     what='score', device='cpu'):
     """The summed log-probability of each choice's continuation, a list per question.
     forward(ids (B, T)) -> logits (B, T, vocab). Sequences are cut to their last
-    max_len + 1 tokens, sorted by length and run in batches of up to batch_tokens
-    (right-padded, which a causal model cannot see), with a progress line and an ETA."""
+    max_len + 1 tokens, sorted by length (less padding than keeping a question's choices
+    together) and run in batches of up to batch_tokens, right-padded (which a causal
+    model cannot see), with a progress line in tokens (the longest come first)."""
     rows = []  # (question, choice, model input, continuation tokens)
     for i, q in enumerate(qs):
         for j, (context, continuation) in enumerate(q['choices']):
@@ -183,8 +183,9 @@ def choice_logprobs(forward, enc, qs, prefix_id, max_len, batch_tokens=1024,
             rows.append((i, j, ids[:-1], cont))
     rows.sort(key=lambda r: -len(r[2]))
     sums = [[0.0] * len(q['choices']) for q in qs]
-    show = Progress(what, len(rows), ' choices', 1)
+    show = Progress(what, sum(len(r[2]) for r in rows), ' tokens', 1)
     done = 0
+    tokens = 0
     while done < len(rows):
         width = len(rows[done][2])
         batch = rows[done:done + max(1, batch_tokens // width)]
@@ -198,7 +199,8 @@ def choice_logprobs(forward, enc, qs, prefix_id, max_len, batch_tokens=1024,
             logp = logits[b, at].float().log_softmax(-1)  # (len(cont), vocab)
             sums[i][j] = logp[torch.arange(len(cont)), torch.tensor(cont)].sum().item()
         done += len(batch)
-        show(done, last=done == len(rows))
+        tokens += sum(len(r[2]) for r in batch)
+        show(tokens, f" ({done:,} of {len(rows):,} choices)", last=done == len(rows))
     return sums
 
 
@@ -240,12 +242,11 @@ def zero_shot(forward, enc, tasks, max_len, batch_tokens=1024, package=None,
 
 
 def main(argv):
-    """The command line: a checkpoint (or a GGUF file) on tasks and held-out text, as JSON."""
+    """The command line: a checkpoint or GGUF file scored on tasks and held-out text."""
     settings = dict(
         ckpt='out',           # a run's folder, a checkpoint, a HF directory or a hub id
         tasks='hellaswag,arc_easy,arc_challenge,piqa,winogrande',
         limit=0,              # the first this many questions of each task (0: all)
-        heldout=True,         # also nats per token and bits per byte of held-out text
         tokenizer='',         # '' is the checkpoint's (needed with --gguf)
         packed=True,          # ternary models on 2-bit weights (False: fake-quantized)
         gguf='',              # a GGUF file to score through llama.cpp instead of ckpt
@@ -271,9 +272,8 @@ def main(argv):
                                     device=c['device'])
     except (OSError, ValueError, RuntimeError, KeyError, ImportError) as e:
         sys.exit(f"error: {e}")
-    if c['heldout']:  # the offline corpus's last 10%, which no run trains on
-        val = offline_corpus(enc)[1]
-        result['heldout'] = heldout(forward, val, enc, min(512, max_len), c['device'])
+    val = offline_corpus(enc)[1]  # the offline corpus's last 10%, which no run trains on
+    result['heldout'] = heldout(forward, val, enc, min(512, max_len), c['device'])
     text = json.dumps(result, indent=1)
     print(text)
     if c['out']:

