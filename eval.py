@@ -36,12 +36,10 @@ import torch
 import torch.nn.functional as F
 
 from configurator import configure
-from data import offline_corpus
+from data import IGNORE, offline_corpus
 from engine import llama_cpp_forward, load
 from hub import DownloadError, Progress, cache_dir
 from tokenizer import eos_id, get_tokenizer
-
-IGNORE = -100  # a target that does not count, as in objectives.py and data.py
 
 
 def token_bytes(enc, vocab_size):
