@@ -16,6 +16,10 @@ the bytes a small model reads per token, gets int8 rows (kernels.pack_int8, 4x f
 bytes than fp32; its held-out cost is in docs/llama_cpp.md). `profile_token` shows where
 the time of a decode token goes.
 
+`rollout` samples many completions at once for reinforcement learning (GRPO, rl.py):
+prompts of different lengths are left-padded so that every row's next token sits in the
+same column, and a padding mask keeps the pads out of attention.
+
 `load` opens a checkpoint for use (sample.py, eval.py): found as train.py finds one, with
 its LoRA adapters, packed, and the name of the tokenizer it was trained with.
 `llama_cpp_forward` runs a GGUF export through llama.cpp behind the same signature as a
@@ -117,6 +121,79 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, eos_id=Non
             break
         logits = model(nxt, cache, pos)
     return idx
+
+
+def top_p_filter(probs, top_p):
+    """The smallest set of most likely tokens whose probability reaches top_p (nucleus
+    sampling, Holtzman et al. 2020), renormalised; (B, V)."""
+    if top_p >= 1.0:
+        return probs
+    sorted_probs, order = probs.sort(-1, descending=True)
+    before = sorted_probs.cumsum(-1) - sorted_probs  # the mass of the more likely tokens
+    sorted_probs[before >= top_p] = 0.0
+    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+@torch.no_grad()
+def rollout(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, stop_ids=(),
+            seeds=None, vocab=None, use_cache=True, all_done=None):
+    """Sample a completion for each prompt (lists of token ids), batched. Prompts are
+    left-padded to one length P; a row stops after any of stop_ids (EOS, the chat's end
+    token) or max_new_tokens. Row b draws its uniforms from its own generator seeded
+    seeds[b], so a row samples the same tokens whatever batch it is in. Temperature 0 is
+    greedy. Without use_cache every step runs the whole sequence again (the reference
+    the cache is tested against). all_done(done) says when to stop (under FSDP every rank
+    must run each forward until all ranks are done). Returns x (B, P + L) prompts and
+    completions (0 after a row stopped), valid (B, P + L) the real tokens, mask (B, L) the
+    completion tokens, and logp (B, L) their log-probabilities under softmax(logits /
+    temperature), L being the longest completion."""
+    device = next(model.parameters()).device
+    B, P = len(prompts), max(len(p) for p in prompts)
+    x = torch.zeros(B, P + max_new_tokens, dtype=torch.long, device=device)
+    valid = torch.zeros(B, P + max_new_tokens, dtype=torch.bool, device=device)
+    for b, p in enumerate(prompts):
+        x[b, P - len(p):P] = torch.tensor(p, device=device)
+        valid[b, P - len(p):P] = True
+    logp = torch.zeros(B, max_new_tokens, device=device)
+    seeds = range(B) if seeds is None else seeds
+    generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+    stop = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    all_done = all_done or (lambda d: bool(d.all()))
+    cache = None
+    if use_cache:
+        cfg = model.config
+        shape = (2, B, cfg.n_kv_head, P + max_new_tokens, cfg.head_dim)  # K and V
+        cache = [torch.empty(shape, device=device, dtype=next(model.parameters()).dtype)
+                 for _ in range(cfg.n_layer)]
+    L = 0  # tokens sampled so far
+    while L < max_new_tokens and not all_done(done):
+        if not use_cache:
+            logits = model(x[:, :P + L], valid=valid[:, :P + L])
+        elif L == 0:  # prefill
+            logits = model(x[:, :P], cache, 0, valid=valid[:, :P])
+        else:  # the last token, attending over the cache
+            logits = model(x[:, P + L - 1:P + L], cache, P + L - 1, valid=valid[:, :P + L])
+        z = logits[:, -1, :vocab].float()
+        if temperature == 0:
+            tokens = z.argmax(-1)
+            logprobs = F.log_softmax(z, -1)
+        else:
+            logprobs = F.log_softmax(z / temperature, -1)
+            probs = top_p_filter(logprobs.exp(), top_p)
+            u = torch.stack([torch.rand(1, generator=g) for g in generators]).to(device)
+            # inverse CDF; the clamp guards against a cumulative sum just under 1
+            tokens = torch.searchsorted(probs.cumsum(-1), u, right=True).squeeze(1)
+            tokens = tokens.clamp(max=probs.size(-1) - 1)
+        tokens = tokens.masked_fill(done, 0)
+        x[:, P + L] = tokens
+        valid[:, P + L] = ~done
+        logp[:, L] = logprobs.gather(-1, tokens[:, None]).squeeze(1).masked_fill(done, 0.0)
+        done = done | torch.isin(tokens, stop)
+        L += 1
+    mask = valid[:, P:P + L]
+    return x[:, :P + L], valid[:, :P + L], mask, logp[:, :L]
 
 
 def complete(model, enc, prompts, n, temperature=0.0, top_k=None):

@@ -21,9 +21,9 @@ ternary linears) BitNet b1.58 2B4T:
   writes a directory that transformers opens as `LlamaForCausalLM` (fp) or
   `BitNetForCausalLM` (ternary: latent weights quantized online, or, after `freeze()`,
   the packed 2-bit weights of the offline format, which inference runs with kernels.py).
-- The forward takes a KV cache and a position for inference (engine.py), and fills
-  a `feats` dict with what distillation asks for (objectives.py); it always returns
-  the logits.
+- The forward takes a KV cache and a position for inference (engine.py), a mask of the
+  real tokens of left-padded rows (batched sampling for RL), and fills a `feats` dict
+  with what distillation asks for (objectives.py); it always returns the logits.
 """
 import json
 import math
@@ -89,7 +89,7 @@ class Attention(nn.Module):
         self.attn_sub_norm = SubLN(C, eps=cfg.norm_eps) if cfg.subln else nn.Identity()
         self.fused = None  # q/k/v in one call, set by engine.fuse
 
-    def forward(self, x, cos, sin, cache=None, pos=0, causal=True, qkv=None):
+    def forward(self, x, cos, sin, cache=None, pos=0, causal=True, qkv=None, mask=None):
         B, T, _ = x.shape
         # (B, T, nh*hs), (B, T, nkv*hs) x2; in one call once fused (engine.fuse)
         if self.fused:
@@ -109,8 +109,10 @@ class Attention(nn.Module):
             cache[0][:, :, pos:pos + T], cache[1][:, :, pos:pos + T] = k, v
             k, v = cache[0][:, :, :pos + T], cache[1][:, :, :pos + T]
         # a single new token may look at the whole cache, so only a multi-token step is
-        # causal; causal=False is the bidirectional attention of masked diffusion
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal and T > 1,
+        # causal; causal=False is the bidirectional attention of masked diffusion; a
+        # padding mask (Transformer.forward) holds the causal rule itself
+        is_causal = causal and T > 1 and mask is None
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                            enable_gqa=self.n_kv_head != self.n_head)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hs)
         return self.o_proj(self.attn_sub_norm(y))
@@ -142,9 +144,20 @@ class Block(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache=None, pos=0, causal=True, qkv=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, pos, causal, qkv)
+    def forward(self, x, cos, sin, cache=None, pos=0, causal=True, qkv=None, mask=None):
+        h = self.input_layernorm(x)
+        x = x + self.self_attn(h, cos, sin, cache, pos, causal, qkv, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def padding_mask(valid, pos, T):
+    """(B, 1, T, pos + T) attention mask for queries at pos..pos + T - 1: a real key at or
+    before the query. A padding position also sees itself, so that no row of the softmax
+    is empty (NaN); nothing real ever looks at it."""
+    keys = torch.arange(pos + T, device=valid.device)
+    queries = keys[pos:, None]
+    seen = valid[:, None, :] & (keys <= queries)  # (B, T, pos + T)
+    return (seen | (keys == queries))[:, None]
 
 
 def rope_table(head_dim, max_seq_len, theta):
@@ -237,11 +250,12 @@ class Transformer(nn.Module):
     def num_params(self):
         return sum(p.numel() for p in self.parameters())  # tied weights are counted once
 
-    def forward(self, idx, cache=None, pos=0, causal=True, feats=None):
+    def forward(self, idx, cache=None, pos=0, causal=True, feats=None, valid=None):
         """Logits (B, T, vocab), always. Distillation asks for more through `feats`, a
         dict filled in place: feats['hidden'] (a list) gets every block's output,
         feats['qkv'] (a list) gets the q, k and v projections of block
-        feats['qkv_layer']."""
+        feats['qkv_layer']. `valid` (B, pos + T), True at real tokens, keeps the
+        padding of left-padded rows out of every causal attention."""
         B, T = idx.shape
         if pos + T > self.config.max_seq_len:
             raise ValueError(f"{pos + T} tokens exceed "
@@ -249,9 +263,11 @@ class Transformer(nn.Module):
         x = self.embed_tokens(idx)  # (B, T, C)
         cos, sin = self.cos[pos:pos + T].to(x.dtype), self.sin[pos:pos + T].to(x.dtype)
         feats = {} if feats is None else feats
+        mask = None if valid is None else padding_mask(valid, pos, T)
         for i, block in enumerate(self.layers):
             qkv = feats['qkv'] if i == feats.get('qkv_layer') else None
-            args = (x, cos, sin, None if cache is None else cache[i], pos, causal, qkv)
+            layer_cache = None if cache is None else cache[i]
+            args = (x, cos, sin, layer_cache, pos, causal, qkv, mask)
             if self.grad_ckpt and self.training:
                 # keep block inputs; backward recomputes the rest
                 x = torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)

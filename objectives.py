@@ -21,6 +21,8 @@ The losses:
                regress onto the teacher's
 - `dpo`        direct preference optimisation (Rafailov et al. 2023),
                the teacher as reference
+- `grpo`       group relative policy optimisation (Shao et al. 2024, DeepSeekMath §4) on
+               sampled completions scored by reward functions (rl.py makes the batches)
 
 This file needs only torch (and requests for the remote teacher) and a model called like
 model.py's Transformer: model(idx, causal=..., feats=...) returns the logits and fills
@@ -260,9 +262,114 @@ class DPO(Objective):
         return dpo_loss(pi[:n], pi[n:], ref[:n], ref[n:], self.beta)
 
 
+def group_advantages(rewards, group, scale='group'):
+    """GRPO's advantages: each reward minus the mean of its group (the G completions of one
+    prompt, adjacent), divided by the group's standard deviation + 1e-4 ('group'), by the
+    whole batch's ('batch'; Liu et al. 2025, Dr. GRPO, drop the group's as biased), or not
+    at all ('none'). Standard deviations are torch's (n - 1). A group of equal rewards
+    teaches nothing: its advantages are exactly 0."""
+    if scale not in ('group', 'batch', 'none'):
+        raise ValueError(f"scale_rewards={scale!r}; use 'group', 'batch' or 'none'")
+    by_group = rewards.view(-1, group)  # (prompts, G)
+    centred = (by_group - by_group.mean(1, keepdim=True)).flatten()
+    if scale == 'group':
+        return centred / (by_group.std(1).repeat_interleave(group) + 1e-4)
+    if scale == 'batch':
+        return centred / (rewards.std() + 1e-4)
+    return centred
+
+
+def token_logprobs(logits, tokens):
+    """log p(token) at each position: (B, L) from logits (B, L, V)."""
+    logp = F.log_softmax(logits.float(), -1)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def grpo_loss(logp, old_logp, ref_logp, advantages, mask, eps_low=0.2, eps_high=0.2,
+              beta=0.0, aggregation='grpo', max_len=None, active_tokens=None):
+    """The clipped surrogate of PPO with group advantages, plus beta times the k3 estimate
+    of KL(policy || reference) (Schulman 2020) per token, aggregated as TRL names it:
+    'grpo' the mean over each completion's tokens, then over completions (Shao et al.
+    2024); 'bnpo' the mean over the batch's tokens; 'dr_grpo' the sum over tokens / (B x
+    max_len) (Liu et al. 2025); 'dapo' the sum over tokens / `active_tokens`, the mean
+    count of a micro-batch in the whole accumulated batch (Yu et al. 2025). logp, old_logp,
+    ref_logp, mask: (B, L); advantages: (B,). Returns (loss, per-token parts)."""
+    mask = mask.to(logp.dtype)
+    # log-ratios are 0 at padding, so that nothing said after a stop token can overflow
+    rho = torch.exp((logp - old_logp) * mask)  # exactly 1 on a batch's first use
+    A = advantages.unsqueeze(1)
+    clipped = torch.clamp(rho, 1 - eps_low, 1 + eps_high)
+    per_token = -torch.min(rho * A, clipped * A)
+    kl = torch.zeros_like(logp)
+    if beta:
+        to_ref = (ref_logp - logp) * mask
+        kl = torch.exp(to_ref) - to_ref - 1
+        per_token = per_token + beta * kl
+    summed = (per_token * mask).sum()
+    if aggregation == 'grpo':
+        per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
+        loss = per_seq.mean()
+    elif aggregation == 'bnpo':
+        loss = summed / mask.sum().clamp(min=1)
+    elif aggregation == 'dr_grpo':
+        loss = summed / (logp.size(0) * max_len)
+    elif aggregation == 'dapo':
+        loss = summed / active_tokens
+    else:
+        raise ValueError(f"loss_type={aggregation!r}; use grpo, bnpo, dr_grpo or dapo")
+    # the clip is active where it took the minimum: rho below 1 - eps_low with A < 0,
+    # above 1 + eps_high with A > 0
+    low = (rho < 1 - eps_low) & (A < 0)
+    high = (rho > 1 + eps_high) & (A > 0)
+    return loss, {'kl': kl, 'clipped': (low | high).to(mask.dtype)}
+
+
+class GRPO(Objective):
+    """GRPO on batch['rollouts'] (rl.py): x (B, P + L) left-padded prompts and their
+    sampled completions, valid (B, P + L) the real tokens, mask (B, L) the completion
+    tokens that count (up to and including the stop token), advantages (B,), max_len and
+    active_tokens. The policy's log-probabilities are those of the sampling distribution,
+    softmax(logits / temperature). On a batch's first use the model is the one that
+    sampled it, so its log-probabilities are recorded as `old_logp` for later uses
+    (`iterations` > 1 in rl.py). The frozen teacher is the reference (beta > 0 only)."""
+    own_forward = True
+
+    def __init__(self, beta=0.0, eps_low=0.2, eps_high=0.2, loss_type='grpo',
+                 temperature=1.0):
+        self.beta, self.eps_low, self.eps_high = beta, eps_low, eps_high
+        self.loss_type, self.temperature = loss_type, temperature
+        self.needs_teacher = beta > 0
+        self.metrics = {}
+
+    def run(self, model, teacher, batch):
+        r = batch['rollouts']
+        x, valid, mask = r['x'], r['valid'], r['mask']
+        P = x.size(1) - mask.size(1)  # completion token j is predicted at P - 1 + j
+        completion = x[:, P:]
+        logits = model(x, valid=valid)[:, P - 1:-1]
+        logp = token_logprobs(logits.float() / self.temperature, completion)
+        if 'old_logp' not in r:
+            r['old_logp'] = logp.detach()
+        ref = None
+        if self.beta:
+            ref_logits = teacher(x, None, valid=valid)['logits'][:, P - 1:-1]
+            ref = token_logprobs(ref_logits.float() / self.temperature, completion)
+        loss, parts = grpo_loss(logp, r['old_logp'], ref, r['advantages'], mask,
+                                self.eps_low, self.eps_high, self.beta, self.loss_type,
+                                r['max_len'], r['active_tokens'])
+        with torch.no_grad():
+            counted = mask.sum().clamp(min=1)
+            p = F.softmax(logits.float() / self.temperature, -1)
+            entropy = -(p * torch.log(p.clamp(min=1e-30))).sum(-1)
+            measured = {'kl': parts['kl'], 'clip_fraction': parts['clipped'],
+                        'entropy': entropy}
+            self.metrics = {k: (v * mask).sum() / counted for k, v in measured.items()}
+        return loss
+
+
 OBJECTIVES = {'ce': CrossEntropy, 'kd': LogitsKD, 'attn': AttentionRelationKD,
               'hidden': HiddenStateKD, 'lrc': LRCReconstruction,
-              'diffusion': MaskedDiffusion, 'dpo': DPO}
+              'diffusion': MaskedDiffusion, 'dpo': DPO, 'grpo': GRPO}
 
 
 class CurriculumScheduler:
@@ -296,13 +403,15 @@ class CurriculumScheduler:
                 for n in self.names}
 
 
-def run_model(model, x, hidden=False, qkv_layer=None):
+def run_model(model, x, hidden=False, qkv_layer=None, valid=None):
     """One forward pass: {'logits'}, plus every block's output ('hidden')
-    and the q, k, v of one block ('qkv') when asked for."""
+    and the q, k, v of one block ('qkv') when asked for. `valid` marks the real tokens
+    of left-padded rows (GRPO's rollouts)."""
     feats = {'hidden': []} if hidden else {}
     if qkv_layer is not None:
         feats.update(qkv=[], qkv_layer=qkv_layer)
-    logits = model(x, feats=feats)
+    kw = {} if valid is None else {'valid': valid.to(next(model.parameters()).device)}
+    logits = model(x, feats=feats, **kw)
     return {'logits': logits, **{k: feats[k] for k in ('hidden', 'qkv') if k in feats}}
 
 
@@ -315,8 +424,8 @@ class LocalTeacher:
         self.n_layer = len(model.layers)
 
     @torch.no_grad()
-    def __call__(self, x, y, hidden=False, qkv_layer=None):
-        out = run_model(self.model, x.to(self.device), hidden, qkv_layer)
+    def __call__(self, x, y, hidden=False, qkv_layer=None, valid=None):
+        out = run_model(self.model, x.to(self.device), hidden, qkv_layer, valid)
         back = {}
         for k, v in out.items():
             if torch.is_tensor(v):
@@ -335,9 +444,9 @@ class BaseTeacher(LocalTeacher):
         self.model, self.switch, self.n_layer = model, switch, len(model.layers)
         self.device = next(model.parameters()).device
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kw):
         self.switch(self.model, False)
-        out = super().__call__(*args)
+        out = super().__call__(*args, **kw)
         self.switch(self.model, True)
         return out
 
@@ -440,5 +549,7 @@ class ObjectiveManager:
                 losses[n] = o.run(model, self.teacher, batch)
         total = sum(weights[n] * losses[n] for n in losses)
         metrics = {f'loss_{n}': v.detach() for n, v in losses.items()}
+        for n in active:  # what an objective measures besides its loss (GRPO's KL, ...)
+            metrics.update(getattr(self.objectives[n], 'metrics', {}))
         metrics.update({f'w_{n}': w for n, w in weights.items()})
         return total, metrics

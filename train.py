@@ -37,6 +37,7 @@ from lora import attach_lora, load_adapters, save_adapters, set_adapters
 from model import ModelConfig, Transformer
 from objectives import (OBJECTIVES, BaseTeacher, CurriculumScheduler, LocalTeacher,
                         ObjectiveManager, RemoteTeacher, ce_loss, mask_token)
+from rl import Rollouts, read_prompts
 from optim import (SCHEDULES, ZClip, clip_gradients, drop_weight_decay, find_lr, fit_batch,
                    lr_factor, make_optimizers, optimizer_step, param_groups, set_lr,
                    source_scores)
@@ -74,6 +75,12 @@ remix_interval = 0     # reweigh the mixture every this many steps (0: never)
 remix_eta = 1.0
 remix_floor = 0.05
 dpo_data = ''          # a jsonl of {prompt, chosen, rejected} for the dpo objective
+# GRPO (rl.py): a jsonl of prompts and the rewards' columns, or 'arithmetic' (offline);
+# each step samples batch_size prompts x group per micro-step with the current model
+grpo_data = ''
+grpo_heldout = ''      # scored greedily at every eval, e.g. 'arithmetic_heldout'
+rollout = dict(group=8, max_new_tokens=128, temperature=1.0, top_p=1.0,
+               rewards=['correct_answer'], scale_rewards='group')
 batch_size = 16        # sequences per rank per micro-step
 block_size = 128
 gradient_accumulation_steps = 1  # for the global batch; divided by the DDP ranks
@@ -294,6 +301,8 @@ try:
     if 'diffusion' in objectives:  # the mask: the tokenizer's, or a spare embedding row
         mask_id = mask_token(enc, raw_model.config.vocab_size)
         objectives['diffusion'].setdefault('mask_id', mask_id)
+    if 'grpo' in objectives:  # the loss sees the distribution the rollouts sampled
+        objectives['grpo'].setdefault('temperature', rollout['temperature'])
     losses = {n: OBJECTIVES[n](**kw) for n, kw in objectives.items()}
     scheduler = CurriculumScheduler(curriculum, blend)
     manager = ObjectiveManager(losses, scheduler, teacher_net, raw_model.config.n_layer)
@@ -301,6 +310,17 @@ except KeyError as e:
     sys.exit(f"error: unknown objective {e}; choose from {sorted(OBJECTIVES)}")
 except (TypeError, ValueError) as e:
     sys.exit(f"error: objectives/curriculum: {e}")
+rollouts, heldout = None, []
+if grpo_data:  # the prompts, read once; under FSDP all ranks sample until all are done
+    room = raw_model.config.max_seq_len - rollout.get('max_new_tokens', 128)
+    try:
+        rows = read_prompts(grpo_data, enc, rollout['rewards'], room)
+        if grpo_heldout:
+            heldout = read_prompts(grpo_heldout, enc, rollout['rewards'], room)
+        rollouts = Rollouts(rows, enc, batch_size, gradient_accumulation_steps, seed=seed,
+                            rank=rank, world_size=world_size, sync=fsdp, **rollout)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        sys.exit(f"error: grpo: {e}")
 
 # auto batch (CUDA): the largest micro-batch that fits, by trying; the same global batch
 if auto_batch and device_type != 'cuda':
@@ -380,7 +400,11 @@ def micro_steps(step, b):
     """Forward and backward over the step's micro-batches; the mean loss and metrics."""
     # the logged loss is the mean over all micro-steps, not the last one's
     loss_sum, metrics = torch.zeros((), device=device), {}
+    samples = [{}] * gradient_accumulation_steps
+    if rollouts:  # GRPO: the step's completions, sampled by the model as it is now
+        samples, metrics = rollouts.step(raw_model, step)
     for micro in range(gradient_accumulation_steps):
+        b = b | samples[micro]
         if ddp:  # all-reduce (FSDP: reduce-scatter) the gradients once, after the last
             sync = micro == gradient_accumulation_steps - 1
             if fsdp:
@@ -530,6 +554,8 @@ while step < max_steps:
         if eval_prompts and (master or fsdp):  # under FSDP every rank runs each forward
             with ctx:  # greedy continuations, read beside the losses
                 rec['samples'] = complete(raw_model, enc, eval_prompts, 48)
+        if heldout and (master or fsdp):  # each reward's mean on greedy completions
+            rec.update(rollouts.accuracy(raw_model, heldout))
         if eval_tasks and (master or fsdp):  # {task: {'acc', 'acc_norm', ...}}
             with ctx:
                 rec['zero_shot'] = zero_shot(raw_model, enc, eval_tasks,

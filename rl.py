@@ -1,0 +1,262 @@
+"""
+Reinforcement learning with verifiable rewards: the batches GRPO trains on.
+
+GRPO (Shao et al. 2024, DeepSeekMath §4) needs no value model: for each prompt it samples
+a group of G completions from the current policy, scores each with reward functions, and
+pushes up the completions that scored above their group's mean (objectives.GRPO). This
+file makes those batches:
+
+- prompts come from a jsonl file, one prompt per line under 'prompt' plus whatever
+  columns the reward functions need (e.g. 'answer'); a chat model sees each prompt as a
+  user turn followed by the assistant's header (tokenizer.chat_prompt);
+- a reward function is a plain callable f(prompts, completions, **columns) -> [float],
+  named in the config (`REWARDS`); a completion's reward is the sum of its rewards;
+- every optimizer step samples the step's prompts x G completions at once (engine.rollout,
+  on the packed kernels when the base is frozen), then cuts them into micro-batches;
+- row seeds come from (seed, step, row), so a resumed run and any number of DDP ranks
+  sample what one uninterrupted process samples.
+
+The offline task: one-step arithmetic word problems made from a seed, answered as
+`#### 42` (the GSM8K convention, Cobbe et al. 2021), with 200 held-out problems that no
+training prompt repeats. `python rl.py` writes them and prints where.
+"""
+import inspect
+import json
+import os
+import random
+import re
+
+import torch
+import torch.distributed as dist
+
+from engine import rollout
+from hub import cache_dir
+from objectives import group_advantages
+from tokenizer import chat_prompt, chat_template, eos_id
+
+# ------------------------------------------------------------------ the offline task
+
+NAMES = ('Ann', 'Ben', 'Cara', 'Dev', 'Eli', 'Fay', 'Gus', 'Hana', 'Ivan', 'Jo')
+THINGS = ('apples', 'books', 'coins', 'stamps', 'shells', 'pencils', 'cards', 'eggs')
+PROBLEMS = (  # (question, answer) from a name, a thing and two numbers a >= b
+    ('What is {a} + {b}?', lambda a, b: a + b),
+    ('What is {a} - {b}?', lambda a, b: a - b),
+    ('What is {a} times {b}?', lambda a, b: a * b),
+    ('{n} has {a} {t}. {n} gets {b} more {t}. How many {t} does {n} have now?',
+     lambda a, b: a + b),
+    ('{n} has {a} {t} and gives {b} of them away. How many {t} does {n} have left?',
+     lambda a, b: a - b),
+)
+INSTRUCTION = 'Give the final answer as a number after ####, like this: #### <number>.'
+
+
+def arithmetic_problems(n, seed, exclude=None):
+    """n problems as {'prompt', 'answer'} rows: distinct ones, or, given `exclude`, any
+    whose prompts are not in it (the training set repeats problems; the held-out one
+    does not). One step on numbers from 2 to 12, so that a 135M model often computes
+    the answer: what it lacks at first is the answer's format, and reinforcement
+    needs some right answers to reinforce."""
+    rng = random.Random(seed)
+    rows, seen = [], set(exclude or ())
+    while len(rows) < n:
+        question, answer = rng.choice(PROBLEMS)
+        a, b = sorted((rng.randint(2, 12), rng.randint(2, 12)), reverse=True)
+        name, thing = rng.choice(NAMES), rng.choice(THINGS)
+        prompt = question.format(n=name, t=thing, a=a, b=b) + '\n' + INSTRUCTION
+        if prompt not in seen:
+            if exclude is None:
+                seen.add(prompt)
+            rows.append({'prompt': prompt, 'answer': str(answer(a, b))})
+    return rows
+
+
+TASK_FILES = {'arithmetic': 0, 'arithmetic_heldout': 1}  # names that need no file
+
+
+def arithmetic_files(n_train=5000, n_heldout=200):
+    """The task's train.jsonl and heldout.jsonl, made once in the cache."""
+    folder = os.path.join(cache_dir(), 'arithmetic')
+    paths = [os.path.join(folder, f'{split}.jsonl') for split in ('train', 'heldout')]
+    if all(os.path.exists(p) for p in paths):
+        return paths
+    os.makedirs(folder, exist_ok=True)
+    heldout = arithmetic_problems(n_heldout, seed=1)
+    train = arithmetic_problems(n_train, seed=0, exclude={r['prompt'] for r in heldout})
+    for path, rows in zip(paths, (train, heldout)):
+        with open(path + '.tmp', 'w') as f:
+            f.writelines(json.dumps(row) + '\n' for row in rows)
+        os.replace(path + '.tmp', path)
+    return paths
+
+
+# ------------------------------------------------------------------ rewards
+
+ANSWER = re.compile(r'####\s*(-?\d[\d,]*)')
+
+
+def final_answer(completion):
+    """The number after the last ####, commas dropped, or None."""
+    found = ANSWER.findall(completion)
+    return found[-1].replace(',', '') if found else None
+
+
+def correct_answer(prompts, completions, answer, **columns):
+    """1 when the final answer is the `answer` column's, else 0."""
+    return [float(final_answer(c) == str(a)) for c, a in zip(completions, answer)]
+
+
+def answer_format(prompts, completions, **columns):
+    """1 when the completion ends with `#### <number>`, else 0."""
+    return [float(re.search(r'####\s*-?\d[\d,]*\s*\.?\s*$', c) is not None)
+            for c in completions]
+
+
+REWARDS = {'correct_answer': correct_answer, 'format': answer_format}
+
+
+def needed_columns(fn):
+    """The columns a reward function names (its arguments without defaults)."""
+    params = list(inspect.signature(fn).parameters.values())[2:]
+    return [p.name for p in params
+            if p.kind == p.POSITIONAL_OR_KEYWORD and p.default is p.empty]
+
+
+# ------------------------------------------------------------------ prompts
+
+
+def read_prompts(path, enc, rewards, room):
+    """The rows of a prompt file, each with its prompt's tokens under 'tokens'. Raises
+    ValueError naming what is missing: a reward's column, or room in the context
+    (`room`: the model's context minus the completions' length)."""
+    if path in TASK_FILES:
+        path = arithmetic_files()[TASK_FILES[path]]
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if not rows:
+        raise ValueError(f"prompt file {path} holds no rows")
+    for name in rewards:
+        if name not in REWARDS:
+            raise ValueError(f"unknown reward {name!r}; choose from {sorted(REWARDS)}")
+        for column in ['prompt'] + needed_columns(REWARDS[name]):
+            if any(column not in row for row in rows):
+                raise ValueError(f"prompt file {path} lacks the column {column!r} that "
+                                 f"reward {name!r} needs in every row")
+    for i, row in enumerate(rows):
+        row['tokens'] = chat_prompt(enc, row['prompt'])
+        if len(row['tokens']) > room:
+            raise ValueError(f"prompt {i} of {path} has {len(row['tokens'])} tokens; with "
+                             f"max_new_tokens the context holds {room}: shorten it, or "
+                             f"lower max_new_tokens")
+    return rows
+
+
+# ------------------------------------------------------------------ batches
+
+
+def all_gather(x):
+    """x of every rank, concatenated in rank order (x itself alone)."""
+    if not dist.is_initialized():
+        return x
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x)
+    return torch.cat(parts)
+
+
+def all_ranks_done(done):
+    """Whether every rank's rows are done: under FSDP each forward gathers the weights
+    from all ranks, so every rank samples until the last one is done."""
+    left = (~done).sum().view(1)
+    dist.all_reduce(left)
+    return left.item() == 0
+
+
+class Rollouts:
+    """A step's GRPO batches: `prompts` prompts per micro-batch and rank, each sampled
+    `group` times, in `micro_steps` micro-batches per rank."""
+
+    def __init__(self, rows, enc, prompts, micro_steps, group=8, max_new_tokens=128,
+                 temperature=1.0, top_p=1.0, rewards=('correct_answer',),
+                 scale_rewards='group', seed=0, rank=0, world_size=1, sync=False):
+        if group < 2:
+            raise ValueError(f"group={group}: GRPO compares at least 2 completions")
+        self.rows, self.enc, self.prompts, self.micro_steps = rows, enc, prompts, micro_steps
+        self.group, self.max_new_tokens = group, max_new_tokens
+        self.temperature, self.top_p = temperature, top_p
+        self.rewards, self.scale_rewards = list(rewards), scale_rewards
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.all_done = all_ranks_done if sync else None
+        self.stop_ids = [eos_id(enc), enc.encode_single_token(chat_template(enc)[2])]
+        self.order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))
+
+    def texts(self, x, mask):
+        """The completions as text, their stop tokens left out."""
+        P = x.size(1) - mask.size(1)
+        texts = []
+        for tokens, keep in zip(x[:, P:].tolist(), mask.tolist()):
+            ids = [t for t, k in zip(tokens, keep) if k and t not in self.stop_ids]
+            texts.append(self.enc.decode(ids))
+        return texts
+
+    def score(self, rows, completions):
+        """(B, rewards) tensor of every reward function's scores."""
+        prompts = [row['prompt'] for row in rows]
+        columns = {k: [row[k] for row in rows] for k in rows[0] if k != 'tokens'}
+        columns.pop('prompt')
+        scores = [REWARDS[name](prompts, completions, **columns) for name in self.rewards]
+        return torch.tensor(scores, dtype=torch.float32).T
+
+    @torch.no_grad()
+    def step(self, model, step):
+        """(micro-batches, metrics) for optimizer step `step`: rank r takes the r-th run of
+        the step's prompts; rewards are gathered from every rank so that advantages and
+        the token count of the 'dapo' loss are the whole batch's."""
+        per_rank = self.prompts * self.micro_steps
+        first = (step * self.world_size + self.rank) * per_rank
+        picks = [int(self.order[(first + i) % len(self.rows)]) for i in range(per_rank)]
+        rows = [self.rows[i] for i in picks for _ in range(self.group)]
+        first_row = first * self.group
+        seeds = [(self.seed * 1_000_003 + step) * 1_000_003 + first_row + i
+                 for i in range(len(rows))]
+        x, valid, mask, _ = rollout(model, [row['tokens'] for row in rows],
+                                    self.max_new_tokens, self.temperature, self.top_p,
+                                    self.stop_ids, seeds, self.enc.n_vocab,
+                                    all_done=self.all_done)
+        scores = self.score(rows, self.texts(x, mask))  # (B, rewards)
+        every = all_gather(scores.to(x.device))
+        total = every.sum(1)
+        advantages = group_advantages(total, self.group, self.scale_rewards)
+        B = len(rows)
+        mine = advantages[self.rank * B:(self.rank + 1) * B]
+        tokens = all_gather(mask.sum().view(1)).sum()
+        micro_batches = self.world_size * self.micro_steps
+        active = tokens.float() / micro_batches
+        n = self.prompts * self.group
+        batches = []
+        for m in range(self.micro_steps):
+            part = slice(m * n, (m + 1) * n)
+            batches.append({'rollouts': {
+                'x': x[part], 'valid': valid[part], 'mask': mask[part],
+                'advantages': mine[part], 'max_len': self.max_new_tokens,
+                'active_tokens': active}})
+        metrics = {f'reward_{name}': every[:, i].mean().item()
+                   for i, name in enumerate(self.rewards)}
+        metrics['reward_std'] = total.view(-1, self.group).std(1).mean().item()
+        metrics['completion_len'] = tokens.item() / len(total)
+        return batches, metrics
+
+    @torch.no_grad()
+    def accuracy(self, model, rows, batch=50):
+        """Each reward's mean over `rows`, greedy completions: the held-out score."""
+        scores = []
+        for i in range(0, len(rows), batch):
+            part = rows[i:i + batch]
+            x, _, mask, _ = rollout(model, [row['tokens'] for row in part],
+                                    self.max_new_tokens, 0.0, stop_ids=self.stop_ids,
+                                    vocab=self.enc.n_vocab, all_done=self.all_done)
+            scores.append(self.score(part, self.texts(x, mask)))
+        means = torch.cat(scores).mean(0)
+        return {f'heldout_{name}': means[i].item() for i, name in enumerate(self.rewards)}
+
+
+if __name__ == '__main__':
+    print('\n'.join(arithmetic_files()))
