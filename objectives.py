@@ -327,17 +327,17 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, eps_low=0.2, eps_high=
 class GRPO(Objective):
     """GRPO on batch['rollouts'] (rl.py): x (B, P + L) left-padded prompts and their
     sampled completions, valid (B, P + L) the real tokens, mask (B, L) the completion
-    tokens that count (up to and including the stop token), advantages (B,), max_len and
-    active_tokens. The policy's log-probabilities are those of the sampling distribution,
-    softmax(logits / temperature). On a batch's first use the model is the one that
-    sampled it, so its log-probabilities are recorded as `old_logp` for later uses
-    (`iterations` > 1 in rl.py). The frozen teacher is the reference (beta > 0 only)."""
+    tokens that count (up to and including the stop token), advantages (B,), max_len,
+    active_tokens and the temperature they were sampled at. The policy's log-probabilities
+    are those of that sampling distribution, softmax(logits / temperature). Each batch is
+    used once, by the model that sampled it, so the log-probabilities at sampling time are
+    the current ones, detached (rho = 1; grpo_loss takes others for a batch used again).
+    The frozen teacher is the reference (beta > 0 only)."""
     own_forward = True
 
-    def __init__(self, beta=0.0, eps_low=0.2, eps_high=0.2, loss_type='grpo',
-                 temperature=1.0):
+    def __init__(self, beta=0.0, eps_low=0.2, eps_high=0.2, loss_type='grpo'):
         self.beta, self.eps_low, self.eps_high = beta, eps_low, eps_high
-        self.loss_type, self.temperature = loss_type, temperature
+        self.loss_type = loss_type
         self.needs_teacher = beta > 0
         self.metrics = {}
 
@@ -345,21 +345,19 @@ class GRPO(Objective):
         r = batch['rollouts']
         x, valid, mask = r['x'], r['valid'], r['mask']
         P = x.size(1) - mask.size(1)  # completion token j is predicted at P - 1 + j
-        completion = x[:, P:]
-        logits = model(x, valid=valid)[:, P - 1:-1]
-        logp = token_logprobs(logits.float() / self.temperature, completion)
-        if 'old_logp' not in r:
-            r['old_logp'] = logp.detach()
+        completion, temperature = x[:, P:], r['temperature']
+        logits = model(x, valid=valid)[:, P - 1:-1].float() / temperature
+        logp = token_logprobs(logits, completion)
         ref = None
         if self.beta:
             ref_logits = teacher(x, None, valid=valid)['logits'][:, P - 1:-1]
-            ref = token_logprobs(ref_logits.float() / self.temperature, completion)
-        loss, parts = grpo_loss(logp, r['old_logp'], ref, r['advantages'], mask,
+            ref = token_logprobs(ref_logits.float() / temperature, completion)
+        loss, parts = grpo_loss(logp, logp.detach(), ref, r['advantages'], mask,
                                 self.eps_low, self.eps_high, self.beta, self.loss_type,
                                 r['max_len'], r['active_tokens'])
         with torch.no_grad():
             counted = mask.sum().clamp(min=1)
-            p = F.softmax(logits.float() / self.temperature, -1)
+            p = F.softmax(logits, -1)
             entropy = -(p * torch.log(p.clamp(min=1e-30))).sum(-1)
             measured = {'kl': parts['kl'], 'clip_fraction': parts['clipped'],
                         'entropy': entropy}
@@ -524,6 +522,27 @@ class ObjectiveManager:
             raise ValueError(f"the curriculum weighs {sorted(missing)} "
                              f"but objectives only has {sorted(objectives)}")
 
+
+    @classmethod
+    def from_settings(cls, settings, phases, blend, teacher, student, mask_id=None):
+        """A run's manager: settings {name: kwargs}, the curriculum's phases and blend;
+        masked diffusion gets `mask_id` unless its settings name one. Raises ValueError
+        for an unknown objective, settings that do not fit, or a local teacher whose
+        vocabulary is not the student's."""
+        if isinstance(teacher, LocalTeacher):
+            vocab, own = teacher.model.config.vocab_size, student.config.vocab_size
+            if vocab != own:
+                raise ValueError(f"teacher vocab {vocab} != student vocab {own}; both "
+                                 f"must share a tokenizer")
+        unknown = set(settings) - set(OBJECTIVES)
+        if unknown:
+            raise ValueError(f"unknown objective {sorted(unknown)}; "
+                             f"choose from {sorted(OBJECTIVES)}")
+        if 'diffusion' in settings:
+            settings['diffusion'].setdefault('mask_id', mask_id)
+        losses = {n: OBJECTIVES[n](**kw) for n, kw in settings.items()}
+        curriculum = CurriculumScheduler(phases, blend)
+        return cls(losses, curriculum, teacher, student.config.n_layer)
 
     def __call__(self, model, batch, progress):
         weights = self.curriculum.weights(progress)

@@ -207,16 +207,18 @@ def write_svg(path, xs, ys, mark, W=480, H=300):
                 f'red: suggested {mark:.1e}</text></svg>')
 
 
-def find_lr(train_step, out_dir, verbose=True):
+def find_lr(train_step, out_dir, model, verbose=True):
     """The LR range test as a run uses it: a progress line, the curve drawn to
-    out_dir/lr_find.svg and the suggestion printed (when verbose: rank 0). Returns the
-    suggested LR."""
+    out_dir/lr_find.svg and the suggestion printed (when verbose: rank 0); the model's
+    weights are put back afterwards. Returns the suggested LR."""
     show = Progress('lr_find', 100, ' steps', 1, delay=2 if verbose else math.inf)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
 
     def step(i, lr):
         show(i + 1)
         return train_step(i, lr)
     tried, losses, found = lr_range_test(step)
+    model.load_state_dict(saved)
     show(len(tried), last=True)
     if verbose:
         write_svg(os.path.join(out_dir, 'lr_find.svg'), tried, losses, found)
@@ -236,15 +238,16 @@ def auto_batch_size(try_batch, start):
     return 1
 
 
-def fit_batch(try_batch, wanted, device):
-    """The micro-batch for a run that wants `wanted` sequences per rank and step: the
-    largest power of two up to it that fits, the smallest over the ranks, since every rank
-    must run the same number of micro-steps."""
+def fit_batch(try_batch, batch_size, accumulation, device):
+    """(micro-batch, accumulation steps) for a run that wants batch_size x accumulation
+    sequences per rank and step: the largest power of two up to that which fits, the
+    smallest over the ranks, since every rank must run the same number of micro-steps."""
+    wanted = batch_size * accumulation
     largest = auto_batch_size(try_batch, 2 ** math.floor(math.log2(wanted)))
     fits = torch.tensor(largest, device=device)
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(fits, op=torch.distributed.ReduceOp.MIN)
-    return fits.item()
+    return fits.item(), max(1, wanted // fits.item())
 
 
 def source_scores(model, loss_fn, batches, val_batches):
@@ -269,3 +272,11 @@ def source_scores(model, loss_fn, batches, val_batches):
               for name, b in batches.items()}
     model.zero_grad(set_to_none=True)
     return scores
+
+
+def remix(model, loss_fn, loader, val_batches, eta=1.0, floor=0.05):
+    """Influence-based remixing: the loader's sources reweighed by their source_scores
+    (data.Loader.reweight); the new weights as {'mix_<source>': weight}."""
+    scores = source_scores(model, loss_fn, loader.source_batches(), val_batches)
+    weights = loader.reweight(scores, eta, floor)
+    return {f'mix_{n}': w for n, w in weights.items()}

@@ -172,21 +172,27 @@ def all_ranks_done(done):
 
 class Rollouts:
     """A step's GRPO batches: `prompts` prompts per micro-batch and rank, each sampled
-    `group` times, in `micro_steps` micro-batches per rank."""
+    `group` times, in `micro_steps` micro-batches per rank, from the prompt file `path`;
+    and the greedy scores of the prompts of `heldout` (a file, or '' for none). Prompts
+    and completions must fit the model's `context`."""
 
-    def __init__(self, rows, enc, prompts, micro_steps, group=8, max_new_tokens=128,
-                 temperature=1.0, top_p=1.0, rewards=('correct_answer',),
-                 scale_rewards='group', seed=0, rank=0, world_size=1, sync=False):
+    def __init__(self, path, heldout, enc, context, prompts, micro_steps, seed=0, rank=0,
+                 world_size=1, sync=False, group=8, max_new_tokens=128, temperature=1.0,
+                 top_p=1.0, rewards=('correct_answer',), scale_rewards='group'):
         if group < 2:
             raise ValueError(f"group={group}: GRPO compares at least 2 completions")
-        self.rows, self.enc, self.prompts, self.micro_steps = rows, enc, prompts, micro_steps
+        room = context - max_new_tokens
+        self.rows = read_prompts(path, enc, rewards, room)
+        self.heldout = read_prompts(heldout, enc, rewards, room) if heldout else []
+        self.enc, self.prompts, self.micro_steps = enc, prompts, micro_steps
         self.group, self.max_new_tokens = group, max_new_tokens
         self.temperature, self.top_p = temperature, top_p
         self.rewards, self.scale_rewards = list(rewards), scale_rewards
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.all_done = all_ranks_done if sync else None
         self.stop_ids = [eos_id(enc), enc.encode_single_token(chat_template(enc)[2])]
-        self.order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))
+        shuffle = torch.Generator().manual_seed(seed)
+        self.order = torch.randperm(len(self.rows), generator=shuffle)
 
     def texts(self, x, mask):
         """The completions as text, their stop tokens left out."""
@@ -237,7 +243,7 @@ class Rollouts:
             batches.append({'rollouts': {
                 'x': x[part], 'valid': valid[part], 'mask': mask[part],
                 'advantages': mine[part], 'max_len': self.max_new_tokens,
-                'active_tokens': active}})
+                'active_tokens': active, 'temperature': self.temperature}})
         metrics = {f'reward_{name}': every[:, i].mean().item()
                    for i, name in enumerate(self.rewards)}
         metrics['reward_std'] = total.view(-1, self.group).std(1).mean().item()
@@ -245,9 +251,9 @@ class Rollouts:
         return batches, metrics
 
     @torch.no_grad()
-    def accuracy(self, model, rows, batch=50):
-        """Each reward's mean over `rows`, greedy completions: the held-out score."""
-        scores = []
+    def heldout_scores(self, model, batch=50):
+        """Each reward's mean over the held-out prompts' greedy completions."""
+        rows, scores = self.heldout, []
         for i in range(0, len(rows), batch):
             part = rows[i:i + batch]
             x, _, mask, _ = rollout(model, [row['tokens'] for row in part],

@@ -35,13 +35,12 @@ from eval import loss_sums, token_bytes, zero_shot
 from hub import Progress
 from lora import attach_lora, load_adapters, save_adapters, set_adapters
 from model import ModelConfig, Transformer
-from objectives import (OBJECTIVES, BaseTeacher, CurriculumScheduler, LocalTeacher,
-                        ObjectiveManager, RemoteTeacher, ce_loss, mask_token)
-from rl import Rollouts, read_prompts
+from objectives import (BaseTeacher, LocalTeacher, ObjectiveManager, RemoteTeacher, ce_loss,
+                        mask_token)
 from optim import (SCHEDULES, ZClip, clip_gradients, drop_weight_decay, find_lr, fit_batch,
-                   lr_factor, make_optimizers, optimizer_step, param_groups, set_lr,
-                   source_scores)
-from tokenizer import eos_id, get_tokenizer, same_encoding
+                   lr_factor, make_optimizers, optimizer_step, param_groups, remix, set_lr)
+from rl import Rollouts
+from tokenizer import eos_id, run_tokenizer
 
 _imported = set(globals())  # everything defined below, up to the ruler, is a setting
 # -----------------------------------------------------------------------------
@@ -200,22 +199,14 @@ if init_from == 'resume':
 elif init_from != 'scratch':
     start = located(init_from)
 base = state['base'] if state and lora_rank else start  # LoRA checkpoints: adapters only
-has_own = start and os.path.isfile(os.path.join(start, 'tokenizer.json'))
-own = start if has_own else None  # the starting model's own tokenizer
-tokenizer_name = state['tokenizer'] if state else tokenizer or own or 'bytes'
-tokenizer_file = os.path.join(tokenizer_name, 'tokenizer.json')  # checkpoints carry it
-if not os.path.isfile(tokenizer_file):
-    tokenizer_file = tokenizer_name if os.path.isfile(tokenizer_name) else None
 
 
 # data: the offline corpus, or token shards data.py prepares once (local rank 0). A
 # resume sees the batches it would have seen (data.Batches).
 pairs = None
 try:
-    enc = get_tokenizer(tokenizer_name)
-    if own and tokenizer_name != own and not same_encoding(enc, get_tokenizer(own)):
-        raise ValueError(f"tokenizer {tokenizer!r} does not encode as the model's own "
-                         f"({own}/tokenizer.json); leave tokenizer unset")
+    saved = state['tokenizer'] if state else ''
+    enc, tokenizer_name, tokenizer_file = run_tokenizer(start, saved, tokenizer)
     if (mixture and not dataset) or (remix_interval and not mixture):
         raise ValueError("mixture= needs dataset= (whose val split is evaluated); "
                          "remix_interval needs mixture=")
@@ -290,36 +281,23 @@ if teacher.startswith(('http://', 'https://')):
     teacher_net = RemoteTeacher(teacher, teacher_model, top_k=teacher_top_k)
 elif teacher:
     teacher_net = LocalTeacher(load(located(teacher)), device, ptdtype)
-elif lora_rank:  # the base itself: the student with its adapters off (DPO's reference)
+elif lora_rank:  # the base itself: the student, adapters off (DPO's, GRPO's reference)
     teacher_net = BaseTeacher(raw_model, set_adapters)
-if isinstance(teacher_net, LocalTeacher):
-    vocab = teacher_net.model.config.vocab_size
-    if vocab != raw_model.config.vocab_size:
-        sys.exit(f"error: teacher vocab {vocab} != student vocab "
-                 f"{raw_model.config.vocab_size}; both must share a tokenizer")
 try:
-    if 'diffusion' in objectives:  # the mask: the tokenizer's, or a spare embedding row
+    mask_id = None  # masked diffusion's: the tokenizer's, or a spare embedding row
+    if 'diffusion' in objectives:
         mask_id = mask_token(enc, raw_model.config.vocab_size)
-        objectives['diffusion'].setdefault('mask_id', mask_id)
-    if 'grpo' in objectives:  # the loss sees the distribution the rollouts sampled
-        objectives['grpo'].setdefault('temperature', rollout['temperature'])
-    losses = {n: OBJECTIVES[n](**kw) for n, kw in objectives.items()}
-    scheduler = CurriculumScheduler(curriculum, blend)
-    manager = ObjectiveManager(losses, scheduler, teacher_net, raw_model.config.n_layer)
-except KeyError as e:
-    sys.exit(f"error: unknown objective {e}; choose from {sorted(OBJECTIVES)}")
+    manager = ObjectiveManager.from_settings(objectives, curriculum, blend, teacher_net,
+                                             raw_model, mask_id)
 except (TypeError, ValueError) as e:
-    sys.exit(f"error: objectives/curriculum: {e}")
-rollouts, heldout = None, []
+    sys.exit(f"error: objectives: {e}")
+rollouts = None
 if grpo_data:  # the prompts, read once; under FSDP all ranks sample until all are done
-    room = raw_model.config.max_seq_len - rollout.get('max_new_tokens', 128)
     try:
-        rows = read_prompts(grpo_data, enc, rollout['rewards'], room)
-        if grpo_heldout:
-            heldout = read_prompts(grpo_heldout, enc, rollout['rewards'], room)
-        rollouts = Rollouts(rows, enc, batch_size, gradient_accumulation_steps, seed=seed,
-                            rank=rank, world_size=world_size, sync=fsdp, **rollout)
-    except (OSError, ValueError, TypeError, KeyError) as e:
+        rollouts = Rollouts(grpo_data, grpo_heldout, enc, raw_model.config.max_seq_len,
+                            batch_size, gradient_accumulation_steps, seed, rank, world_size,
+                            sync=fsdp, **rollout)
+    except (OSError, ValueError, TypeError) as e:
         sys.exit(f"error: grpo: {e}")
 
 # auto batch (CUDA): the largest micro-batch that fits, by trying; the same global batch
@@ -332,9 +310,9 @@ elif auto_batch:
         with ctx:
             manager(raw_model, {'x': x, 'y': x}, 1.0)[0].backward()
         raw_model.zero_grad(set_to_none=True)
-    wanted = batch_size * gradient_accumulation_steps  # sequences per rank and step
-    batch_size = batches.B = fit_batch(try_batch, wanted, device)
-    gradient_accumulation_steps = max(1, wanted // batch_size)
+    batch_size, gradient_accumulation_steps = fit_batch(
+        try_batch, batch_size, gradient_accumulation_steps, device)
+    batches.B = batch_size
     if batches.loader:  # it has read nothing yet (a resumed one is restored below)
         batches.loader = batches.new_loader()
     print(f"auto_batch: batch_size={batch_size} x "
@@ -438,16 +416,10 @@ def evaluate():
     return loss / counted, loss / math.log(2) / max(nbytes, 1)
 
 
-def remix():
-    """Influence-based remixing: reweigh the sources by their gradients' cosine with
-    the val gradient (data.py)."""
-    def loss(m, b):
-        with ctx:
-            return ce_loss(m(b['x'].to(device)), b['y'].to(device))
-    sources = batches.loader.source_batches()
-    scores = source_scores(model, loss, sources, batches.val_batches(2))
-    weights = batches.loader.reweight(scores, remix_eta, remix_floor)
-    return {f'mix_{n}': w for n, w in weights.items()}
+def batch_ce(m, b):
+    """A batch's CE loss: remixing compares the sources' gradients with val's."""
+    with ctx:
+        return ce_loss(m(b['x'].to(device)), b['y'].to(device))
 
 
 def save_checkpoint(step, data_state):
@@ -485,7 +457,6 @@ def save_checkpoint(step, data_state):
 
 if lr_find and state is None:  # throwaway optimizers; the model is put back afterwards
     probe = new_optimizers()
-    saved = {k: v.clone() for k, v in raw_model.state_dict().items()}
 
     def lr_probe(i, lr):
         """One optimizer step at LR lr on step i's batches; its loss."""
@@ -493,8 +464,7 @@ if lr_find and state is None:  # throwaway optimizers; the model is put back aft
         loss, _ = micro_steps(0, batches.get(i, 0))
         optimizer_step(probe, scaler)
         return all_mean(loss).item()
-    found = find_lr(lr_probe, out_dir, verbose=master)
-    raw_model.load_state_dict(saved)
+    found = find_lr(lr_probe, out_dir, raw_model, verbose=master)
     min_lr = min_lr * found / learning_rate
     learning_rate = found
     optimizers = new_optimizers()
@@ -541,7 +511,8 @@ while step < max_steps:
     tokens_seen += tokens_per_step
     mix = {}
     if remix_interval and step % remix_interval == 0:  # before the next batch is drawn
-        mix = remix()
+        val = batches.val_batches(2)
+        mix = remix(model, batch_ce, batches.loader, val, remix_eta, remix_floor)
     if batches.loader:  # where the next step reads
         data_state = batches.loader.state_dict()
     b = batches.get(step, 0)
@@ -554,8 +525,8 @@ while step < max_steps:
         if eval_prompts and (master or fsdp):  # under FSDP every rank runs each forward
             with ctx:  # greedy continuations, read beside the losses
                 rec['samples'] = complete(raw_model, enc, eval_prompts, 48)
-        if heldout and (master or fsdp):  # each reward's mean on greedy completions
-            rec.update(rollouts.accuracy(raw_model, heldout))
+        if grpo_heldout and (master or fsdp):  # each reward's mean, greedy completions
+            rec.update(rollouts.heldout_scores(raw_model))
         if eval_tasks and (master or fsdp):  # {task: {'acc', 'acc_norm', ...}}
             with ctx:
                 rec['zero_shot'] = zero_shot(raw_model, enc, eval_tasks,

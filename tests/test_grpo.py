@@ -1,8 +1,12 @@
 """GRPO: the loss against the formulas computed token by token in plain Python, its gradient
 against the hand-derived one, the rollouts (KV cache, padding, recorded log-probabilities), the
 rewards, the prompt files and the offline task."""
+import json
 import math
+import os
 import statistics
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,6 +16,15 @@ import rl
 from model import ModelConfig, Transformer
 from objectives import GRPO, grpo_loss, group_advantages, token_logprobs
 from tokenizer import chat_prompt, get_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ['--n_layer=2', '--n_embd=32', '--n_head=2', '--n_kv_head=1', '--intermediate_size=64', '--eval_iters=2',
+        '--log_interval=1', '--sample_tokens=0', '--warmup_steps=2']
+
+
+def log(out_dir):
+    with open(os.path.join(out_dir, 'log.jsonl')) as f:
+        return [json.loads(line) for line in f]
 
 
 def test_group_advantages_by_hand():
@@ -190,8 +203,9 @@ def test_grpo_objective_is_the_loss_on_a_fresh_forward():
     model = tiny_model()
     x, valid, mask, _ = engine.rollout(model, PROMPTS * 2, 8, temperature=0.7, seeds=range(6))
     A = group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 1.0]), 3)
-    batch = {'rollouts': dict(x=x, valid=valid, mask=mask, advantages=A, max_len=8, active_tokens=9.0)}
-    objective = GRPO(beta=0.1, loss_type='bnpo', temperature=0.7)
+    batch = {'rollouts': dict(x=x, valid=valid, mask=mask, advantages=A, max_len=8, active_tokens=9.0,
+                              temperature=0.7)}
+    objective = GRPO(beta=0.1, loss_type='bnpo')
 
     def teacher(x, y, valid):
         with torch.no_grad():
@@ -241,3 +255,58 @@ def test_prompt_files_with_missing_columns_or_long_prompts_are_refused(tmp_path)
     n = len(chat_prompt(enc, 'What is 1 + 1?'))
     with pytest.raises(ValueError, match=f'prompt 0 .* has {n} tokens; .* holds {n - 1}'):
         rl.read_prompts(str(path), enc, ['format'], n - 1)
+
+
+def prompt_file(tmp_path):
+    path = tmp_path / 'prompts.jsonl'
+    words = ['sun', 'tree', 'rock', 'bird', 'fish', 'moon', 'leaf', 'star']
+    path.write_text(''.join(json.dumps({'prompt': f'Say {w}', 'answer': w}) + '\n' for w in words))
+    return str(path)
+
+
+def grpo_run(tmp_path, name, *args, ranks=1):
+    launch = ['-m', 'torch.distributed.run', f'--nproc_per_node={ranks}'] if ranks > 1 else []
+    data = prompt_file(tmp_path)
+    cmd = [sys.executable, *launch, 'train.py', 'tests/rewards.py', *TINY, f'--out_dir={tmp_path / name}',
+           f'--grpo_data={data}', f'--grpo_heldout={data}', *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_train_py_runs_grpo_and_logs_what_it_sampled(tmp_path):
+    r = grpo_run(tmp_path, 'out', '--max_steps=2', '--eval_interval=2')
+    assert r.returncode == 0, r.stderr
+    recs = log(tmp_path / 'out')
+    for rec in recs:
+        assert rec['loss'] != 0 and math.isfinite(rec['loss']) and rec['w_grpo'] == 1.0
+        assert 0 < rec['reward_vowels'] < 1 and rec['reward_std'] > 0 and 1 <= rec['completion_len'] <= 12
+        assert rec['clip_fraction'] == 0 and rec['kl'] == 0 and rec['entropy'] > 0
+    assert 0 <= recs[-1]['heldout_vowels'] <= 1 and 'val_loss' in recs[-1]
+
+
+@pytest.mark.parametrize('args, message', [
+    (["--rollout={'rewards': ['length']}"], "unknown reward 'length'"),
+    (["--rollout={'rewards': ['correct_answer'], 'max_new_tokens': 12}"], "lacks the column"),
+    (["--rollout={'rewards': ['vowels'], 'max_new_tokens': 60}"], "prompt 0 of"),
+])
+def test_bad_grpo_settings_end_in_one_line(tmp_path, args, message):
+    path = tmp_path / 'noanswer.jsonl'
+    path.write_text('{"prompt": "Say sun"}\n')
+    r = grpo_run(tmp_path, 'out', '--max_steps=1', *args, f'--grpo_data={path}', '--grpo_heldout=')
+    assert r.returncode != 0 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.slow
+def test_two_ranks_give_the_loss_of_one_on_the_same_global_batch(tmp_path):
+    """Rows are seeded by (seed, step, row), so 2 ranks x 1 micro-step sample what 1 rank x 2
+    micro-steps samples; rewards are gathered, so the advantages are the same too."""
+    args = ['--max_steps=3', '--eval_interval=3', '--gradient_accumulation_steps=2', "--objectives={'grpo': {'loss_type': 'dapo'}}"]
+    r = grpo_run(tmp_path, 'one', *args)
+    assert r.returncode == 0, r.stderr
+    r = grpo_run(tmp_path, 'two', *args, ranks=2)
+    assert r.returncode == 0, r.stderr
+    one, two = log(tmp_path / 'one'), log(tmp_path / 'two')
+    assert len(one) == len(two) == 3
+    for a, b in zip(one, two):
+        assert abs(a['loss'] - b['loss']) < 1e-5 and a['reward_vowels'] == b['reward_vowels'], (a, b)
+        assert a['completion_len'] == b['completion_len']
+    assert one[-1]['val_loss'] == pytest.approx(two[-1]['val_loss'], abs=1e-5)
