@@ -25,14 +25,15 @@ import json
 import os
 import random
 import re
+import sys
 
 import torch
 import torch.distributed as dist
 
-from engine import rollout
+from engine import load, rollout
 from hub import cache_dir
 from objectives import group_advantages
-from tokenizer import chat_prompt, chat_template, eos_id
+from tokenizer import chat_prompt, chat_template, eos_id, get_tokenizer
 
 # ------------------------------------------------------------------ the offline task
 
@@ -251,18 +252,41 @@ class Rollouts:
         return batches, metrics
 
     @torch.no_grad()
-    def heldout_scores(self, model, batch=50):
-        """Each reward's mean over the held-out prompts' greedy completions."""
+    def heldout_scores(self, model, temperature=0.0, seed=0, batch=50):
+        """Each reward's mean over the held-out prompts' completions: greedy, or sampled at
+        `temperature` with row seeds from `seed`."""
         rows, scores = self.heldout, []
         for i in range(0, len(rows), batch):
             part = rows[i:i + batch]
+            seeds = [seed * 1_000_003 + i + j for j in range(len(part))]
             x, _, mask, _ = rollout(model, [row['tokens'] for row in part],
-                                    self.max_new_tokens, 0.0, stop_ids=self.stop_ids,
-                                    vocab=self.enc.n_vocab, all_done=self.all_done)
+                                    self.max_new_tokens, temperature, self.top_p,
+                                    self.stop_ids, seeds, self.enc.n_vocab,
+                                    all_done=self.all_done)
             scores.append(self.score(part, self.texts(x, mask)))
         means = torch.cat(scores).mean(0)
         return {f'heldout_{name}': means[i].item() for i, name in enumerate(self.rewards)}
 
 
+def main(argv):
+    """python rl.py: write the offline task and print where. With --ckpt=DIR (what sample.py
+    takes): that model's held-out scores, greedy, or sampled at --temperature once per
+    --seeds=0,1,2 (the spread an untrained model shows by chance)."""
+    args = dict(a.removeprefix('--').split('=', 1) for a in argv)
+    if 'ckpt' not in args:
+        print('\n'.join(arithmetic_files()))
+        return
+    _, model, tokenizer = load(args['ckpt'])
+    enc = get_tokenizer(tokenizer)
+    settings = dict(max_new_tokens=int(args.get('max_new_tokens', 48)),
+                    rewards=args.get('rewards', 'correct_answer,format').split(','))
+    scorer = Rollouts('arithmetic', 'arithmetic_heldout', enc, model.config.max_seq_len,
+                      1, 1, **settings)
+    temperature = float(args.get('temperature', 0.0))
+    for seed in args.get('seeds', '0').split(','):
+        scores = scorer.heldout_scores(model, temperature, int(seed))
+        print(json.dumps(dict(temperature=temperature, seed=int(seed), **scores)), flush=True)
+
+
 if __name__ == '__main__':
-    print('\n'.join(arithmetic_files()))
+    main(sys.argv[1:])

@@ -309,4 +309,5 @@ def test_two_ranks_give_the_loss_of_one_on_the_same_global_batch(tmp_path):
     for a, b in zip(one, two):
         assert abs(a['loss'] - b['loss']) < 1e-5 and a['reward_vowels'] == b['reward_vowels'], (a, b)
         assert a['completion_len'] == b['completion_len']
-    assert one[-1]['val_loss'] == pytest.approx(two[-1]['val_loss'], abs=1e-5)
+    # the same weights after the last step: the same greedy completions of the held-out prompts
+    assert one[-1]['heldout_vowels'] == two[-1]['heldout_vowels']

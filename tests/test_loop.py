@@ -79,9 +79,13 @@ def shard_dirs(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('variant', ['adamw', 'muon', 'distill', 'mixture'])
+@pytest.mark.parametrize('variant', ['adamw', 'muon', 'distill', 'mixture', 'grpo'])
 def test_resume_after_sigkill_is_bit_exact(tmp_path, variant, teacher_dir, shard_dirs):
     args = ['--max_steps=8', '--ckpt_interval=2']
+    if variant == 'grpo':  # completions sampled at every step: their seeds follow the step
+        prompts = tmp_path / 'prompts.jsonl'
+        prompts.write_text(''.join(json.dumps({'prompt': f'Say {w}'}) + '\n' for w in ('sun', 'tree', 'rock')))
+        args += ['tests/rewards.py', f'--grpo_data={prompts}']
     if variant == 'mixture':  # token shards: the loader's position and the remixed weights are restored
         args += [f'--dataset={shard_dirs[0]}', f"--mixture={{'a': ('{shard_dirs[0]}', 1.0), 'b': ('{shard_dirs[1]}', 1.0)}}",
                  '--remix_interval=3']
@@ -111,6 +115,8 @@ def test_resume_after_sigkill_is_bit_exact(tmp_path, variant, teacher_dir, shard
         assert a[-1]['loss_kd'] == b[-1]['loss_kd'] and 'loss_diffusion' in b[-1]
     if variant == 'mixture':
         assert a[5]['mix_a'] == b[5]['mix_a'] and a[5]['mix_a'] != 0.5  # reweighted at step 6, after the resume
+    if variant == 'grpo':
+        assert [x['reward_vowels'] for x in a] == [y['reward_vowels'] for y in b] and a[-1]['loss'] != 0
 
 
 @pytest.mark.slow
