@@ -116,7 +116,8 @@ def test_resume_after_sigkill_is_bit_exact(tmp_path, variant, teacher_dir, shard
     if variant == 'mixture':
         assert a[5]['mix_a'] == b[5]['mix_a'] and a[5]['mix_a'] != 0.5  # reweighted at step 6, after the resume
     if variant == 'grpo':
-        assert [x['reward_vowels'] for x in a] == [y['reward_vowels'] for y in b] and a[-1]['loss'] != 0
+        # (at rho = 1 the loss's value is -mean(A), about 0; its gradient is not)
+        assert [x['reward_vowels'] for x in a] == [y['reward_vowels'] for y in b] and a[-1]['grad_norm'] > 0
 
 
 @pytest.mark.slow
