@@ -10,15 +10,16 @@ file makes those batches:
   columns the reward functions need (e.g. 'answer'); a chat model sees each prompt as a
   user turn followed by the assistant's header (tokenizer.chat_prompt);
 - a reward function is a plain callable f(prompts, completions, **columns) -> [float],
-  named in the config (`REWARDS`); a completion's reward is the sum of its rewards;
+  named in the config from `REWARDS` (a config file adds its own: `import rl;
+  rl.REWARDS['name'] = f`); a completion's reward is the sum of its rewards;
 - every optimizer step samples the step's prompts x G completions at once (engine.rollout,
   on the packed kernels when the base is frozen), then cuts them into micro-batches;
 - row seeds come from (seed, step, row), so a resumed run and any number of DDP ranks
   sample what one uninterrupted process samples.
 
-The offline task: one-step arithmetic word problems made from a seed, answered as
-`#### 42` (the GSM8K convention, Cobbe et al. 2021), with 200 held-out problems that no
-training prompt repeats. `python rl.py` writes them and prints where.
+The offline task: one-step arithmetic problems, bare or told as a story, made from a seed,
+answered as `#### 42` (the GSM8K convention, Cobbe et al. 2021), with 200 held-out problems
+that no training prompt repeats. `python rl.py` writes them and prints where.
 """
 import inspect
 import json
