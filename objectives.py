@@ -329,10 +329,10 @@ class GRPO(Objective):
     sampled completions, valid (B, P + L) the real tokens, mask (B, L) the completion
     tokens that count (up to and including the stop token), advantages (B,), max_len,
     active_tokens and the temperature they were sampled at. The policy's log-probabilities
-    are those of that sampling distribution, softmax(logits / temperature). Each batch is
-    used once, by the model that sampled it, so the log-probabilities at sampling time are
-    the current ones, detached (rho = 1; grpo_loss takes others for a batch used again).
-    The frozen teacher is the reference (beta > 0 only)."""
+    are those of that sampling distribution, softmax(logits / temperature). A batch's first
+    use is by the model that sampled it, so its log-probabilities then are those at sampling
+    time: they are kept in the batch as `old_logp` (rho = 1), for its later uses (rl.py's
+    `iterations`). The frozen teacher is the reference (beta > 0 only)."""
     own_forward = True
 
     def __init__(self, beta=0.0, eps_low=0.2, eps_high=0.2, loss_type='grpo'):
@@ -348,11 +348,12 @@ class GRPO(Objective):
         completion, temperature = x[:, P:], r['temperature']
         logits = model(x, valid=valid)[:, P - 1:-1].float() / temperature
         logp = token_logprobs(logits, completion)
+        old_logp = r.setdefault('old_logp', logp.detach())
         ref = None
         if self.beta:
             ref_logits = teacher(x, None, valid=valid)['logits'][:, P - 1:-1]
             ref = token_logprobs(ref_logits.float() / temperature, completion)
-        loss, parts = grpo_loss(logp, logp.detach(), ref, r['advantages'], mask,
+        loss, parts = grpo_loss(logp, old_logp, ref, r['advantages'], mask,
                                 self.eps_low, self.eps_high, self.beta, self.loss_type,
                                 r['max_len'], r['active_tokens'])
         with torch.no_grad():

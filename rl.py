@@ -13,7 +13,9 @@ file makes those batches:
   named in the config from `REWARDS` (a config file adds its own: `import rl;
   rl.REWARDS['name'] = f`); a completion's reward is the sum of its rewards;
 - every optimizer step samples the step's prompts x G completions at once (engine.rollout,
-  on the packed kernels when the base is frozen), then cuts them into micro-batches;
+  on the packed kernels when the base is frozen), then cuts them into micro-batches; with
+  `iterations` > 1 a batch trains that many steps (TRL's num_iterations), so that the
+  ratio to the sampling policy moves from 1 and the clip acts;
 - row seeds come from (seed, step, row), so a resumed run and any number of DDP ranks
   sample what one uninterrupted process samples.
 
@@ -180,7 +182,8 @@ class Rollouts:
 
     def __init__(self, path, heldout, enc, context, prompts, micro_steps, seed=0, rank=0,
                  world_size=1, sync=False, group=8, max_new_tokens=128, temperature=1.0,
-                 top_p=1.0, rewards=('correct_answer',), scale_rewards='group'):
+                 top_p=1.0, rewards=('correct_answer',), scale_rewards='group',
+                 iterations=1):
         if group < 2:
             raise ValueError(f"group={group}: GRPO compares at least 2 completions")
         room = context - max_new_tokens
@@ -191,6 +194,8 @@ class Rollouts:
         self.temperature, self.top_p = temperature, top_p
         self.rewards, self.scale_rewards = list(rewards), scale_rewards
         self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.iterations = iterations
+        self.cached = {'start': None}  # the batches in use, and the step that sampled them
         self.all_done = all_ranks_done if sync else None
         self.stop_ids = [eos_id(enc), enc.encode_single_token(chat_template(enc)[2])]
         shuffle = torch.Generator().manual_seed(seed)
@@ -213,11 +218,27 @@ class Rollouts:
         scores = [REWARDS[name](prompts, completions, **columns) for name in self.rewards]
         return torch.tensor(scores, dtype=torch.float32).T
 
-    @torch.no_grad()
+    def state_dict(self):
+        """The batches in use (a resumed run needs them until `iterations` steps used them)."""
+        return self.cached
+
+    def load_state_dict(self, state):
+        self.cached = state
+
     def step(self, model, step):
-        """(micro-batches, metrics) for optimizer step `step`: rank r takes the r-th run of
-        the step's prompts; rewards are gathered from every rank so that advantages and
-        the token count of the 'dapo' loss are the whole batch's."""
+        """(micro-batches, metrics) for optimizer step `step`: sampled at every
+        `iterations`-th step, and used until the next."""
+        start = step - step % self.iterations
+        if self.cached['start'] != start:
+            batches, metrics = self.sample(model, start)
+            self.cached = {'start': start, 'batches': batches, 'metrics': metrics}
+        return self.cached['batches'], self.cached['metrics']
+
+    @torch.no_grad()
+    def sample(self, model, step):
+        """(micro-batches, metrics) sampled at optimizer step `step`: rank r takes the r-th
+        run of the step's prompts; rewards are gathered from every rank so that advantages
+        and the token count of the 'dapo' loss are the whole batch's."""
         per_rank = self.prompts * self.micro_steps
         first = (step * self.world_size + self.rank) * per_rank
         picks = [int(self.order[(first + i) % len(self.rows)]) for i in range(per_rank)]

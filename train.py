@@ -75,11 +75,11 @@ remix_eta = 1.0
 remix_floor = 0.05
 dpo_data = ''          # a jsonl of {prompt, chosen, rejected} for the dpo objective
 # GRPO (rl.py): a jsonl of prompts and the rewards' columns, or 'arithmetic' (offline);
-# each step samples batch_size prompts x group per micro-step with the current model
+# the model samples batch_size prompts x group per micro-step, every `iterations` steps
 grpo_data = ''
 grpo_heldout = ''      # scored greedily at every eval, e.g. 'arithmetic_heldout'
 rollout = dict(group=8, max_new_tokens=128, temperature=1.0, top_p=1.0,
-               rewards=['correct_answer'], scale_rewards='group')
+               rewards=['correct_answer'], scale_rewards='group', iterations=1)
 batch_size = 16        # sequences per rank per micro-step
 block_size = 128
 gradient_accumulation_steps = 1  # for the global batch; divided by the DDP ranks
@@ -356,6 +356,8 @@ if state is not None:
                  "resume on as many")
     mine = state['rng'][rank]
     checkpoint.set_rng_state(mine, device_type)  # e.g. the masks of masked diffusion
+    if rollouts:  # GRPO's completions, when a resume falls between two samplings
+        rollouts.load_state_dict(mine['rollouts'])
     if batches.loader:
         batches.loader.load_state_dict(mine['data'])
     if master:
@@ -427,6 +429,8 @@ def save_checkpoint(step, data_state):
     and ZeRO-1), then writes the checkpoint (checkpoint.save: atomic, with a manifest);
     every rank stops if that fails."""
     mine = checkpoint.rng_state(device_type) | {'data': data_state}
+    if rollouts:
+        mine['rollouts'] = rollouts.state_dict()
     rngs = [mine] * world_size
     if ddp:
         dist.all_gather_object(rngs, mine)
@@ -511,8 +515,7 @@ while step < max_steps:
     tokens_seen += tokens_per_step
     mix = {}
     if remix_interval and step % remix_interval == 0:  # before the next batch is drawn
-        val = batches.val_batches(2)
-        mix = remix(model, batch_ce, batches.loader, val, remix_eta, remix_floor)
+        mix = remix(model, batch_ce, batches.loader, batches.val_batches(2), remix_eta, remix_floor)
     if batches.loader:  # where the next step reads
         data_state = batches.loader.state_dict()
     b = batches.get(step, 0)

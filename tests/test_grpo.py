@@ -217,6 +217,16 @@ def test_grpo_objective_is_the_loss_on_a_fresh_forward():
     assert torch.allclose(loss, want, atol=1e-6)
     assert objective.metrics['kl'] == 0 and objective.metrics['clip_fraction'] == 0
     assert objective.metrics['entropy'] > 0
+    # used again after the model moved: rho against the log-probabilities of the first use
+    old = batch['rollouts']['old_logp']
+    assert torch.equal(old, logp.detach())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    again = objective.run(model, teacher, batch)
+    logp = token_logprobs(model(x, valid=valid)[:, P - 1:-1] / 0.7, x[:, P:])
+    want = grpo_loss(logp, old, logp.detach(), A, mask, beta=0.1, aggregation='bnpo')[0]
+    assert torch.allclose(again, want, atol=1e-6) and objective.metrics['clip_fraction'] > 0
 
 
 def test_rewards_read_the_final_answer():
@@ -276,6 +286,12 @@ def test_train_py_runs_grpo_and_logs_what_it_sampled(tmp_path):
     r = grpo_run(tmp_path, 'out', '--max_steps=2', '--eval_interval=2')
     assert r.returncode == 0, r.stderr
     recs = log(tmp_path / 'out')
+    reused = grpo_run(tmp_path, 'reused', '--max_steps=2', '--eval_interval=2', "--rollout={'group': 4, "
+                      "'max_new_tokens': 12, 'rewards': ['vowels'], 'iterations': 2}")
+    assert reused.returncode == 0, reused.stderr
+    again = log(tmp_path / 'reused')  # step 2 trains on step 1's completions: rho moved from 1
+    assert again[0]['loss'] == recs[0]['loss'] and again[1]['reward_vowels'] == again[0]['reward_vowels']
+    assert again[1]['clip_fraction'] > 0 and again[1]['loss'] != recs[1]['loss']
     for rec in recs:
         # at rho = 1 the loss is -mean(A) (about 0, the advantages centred per group); its
         # gradient is not 0

@@ -85,7 +85,9 @@ def test_resume_after_sigkill_is_bit_exact(tmp_path, variant, teacher_dir, shard
     if variant == 'grpo':  # completions sampled at every step: their seeds follow the step
         prompts = tmp_path / 'prompts.jsonl'
         prompts.write_text(''.join(json.dumps({'prompt': f'Say {w}'}) + '\n' for w in ('sun', 'tree', 'rock')))
-        args += ['tests/rewards.py', f'--grpo_data={prompts}']
+        # each batch trains 3 steps, so the checkpoint of step 4 falls between two samplings
+        args += ['tests/rewards.py', f'--grpo_data={prompts}', "--rollout={'group': 4, 'max_new_tokens': 12, "
+                 "'rewards': ['vowels'], 'iterations': 3}"]
     if variant == 'mixture':  # token shards: the loader's position and the remixed weights are restored
         args += [f'--dataset={shard_dirs[0]}', f"--mixture={{'a': ('{shard_dirs[0]}', 1.0), 'b': ('{shard_dirs[1]}', 1.0)}}",
                  '--remix_interval=3']
