@@ -234,11 +234,15 @@ class MaskedDiffusion(Objective):
         return (ce * masked[:, 1:] / p).sum() / counted.sum().clamp(min=1)
 
 
+def token_logprobs(logits, tokens):
+    """log p(token) at each position: (B, L) from logits (B, L, V)."""
+    logp = F.log_softmax(logits.float(), -1)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
 def sequence_logprob(logits, y):
     """Sum of log p(y_i) over the counted tokens of each sequence: (B,)."""
-    index = y.clamp(min=0).unsqueeze(-1)
-    logp = F.log_softmax(logits.float(), -1).gather(-1, index).squeeze(-1)
-    return (logp * (y != IGNORE)).sum(-1)
+    return (token_logprobs(logits, y.clamp(min=0)) * (y != IGNORE)).sum(-1)
 
 
 def dpo_loss(pi_w, pi_l, ref_w, ref_l, beta):
@@ -277,12 +281,6 @@ def group_advantages(rewards, group, scale='group'):
     if scale == 'batch':
         return centred / (rewards.std() + 1e-4)
     return centred
-
-
-def token_logprobs(logits, tokens):
-    """log p(token) at each position: (B, L) from logits (B, L, V)."""
-    logp = F.log_softmax(logits.float(), -1)
-    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def grpo_loss(logp, old_logp, ref_logp, advantages, mask, eps_low=0.2, eps_high=0.2,
@@ -347,7 +345,8 @@ class GRPO(Objective):
         P = x.size(1) - mask.size(1)  # completion token j is predicted at P - 1 + j
         completion, temperature = x[:, P:], r['temperature']
         logits = model(x, valid=valid)[:, P - 1:-1].float() / temperature
-        logp = token_logprobs(logits, completion)
+        log_probs = F.log_softmax(logits, -1)  # (B, L, V), once for the loss and entropy
+        logp = log_probs.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
         old_logp = r.setdefault('old_logp', logp.detach())
         ref = None
         if self.beta:
@@ -358,8 +357,7 @@ class GRPO(Objective):
                                 r['max_len'], r['active_tokens'])
         with torch.no_grad():
             counted = mask.sum().clamp(min=1)
-            p = F.softmax(logits, -1)
-            entropy = -(p * torch.log(p.clamp(min=1e-30))).sum(-1)
+            entropy = -(log_probs.exp() * log_probs).sum(-1)
             measured = {'kl': parts['kl'], 'clip_fraction': parts['clipped'],
                         'entropy': entropy}
             self.metrics = {k: (v * mask).sum() / counted for k, v in measured.items()}
