@@ -123,7 +123,7 @@ class BitLinearFunction(torch.autograd.Function):
             w_f = torch.lerp(weight.float(), w_q * gamma, lam)
             ctx.save_for_backward(x_f, w_f)
             y = F.linear(x_f, w_f, bias)
-        return y.to(x.dtype).view(*x.shape[:-1], -1)
+        return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])  # no -1: M may be 0
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -135,7 +135,7 @@ class BitLinearFunction(torch.autograd.Function):
             x_f, w_f = (x_q / s).to(g.dtype), w_q.to(g.dtype) * gamma.to(g.dtype)
         else:
             x_f, w_f = (t.to(g.dtype) for t in ctx.saved_tensors)
-        grad_x = (g @ w_f).view(*grad_y.shape[:-1], -1)
+        grad_x = (g @ w_f).view(*grad_y.shape[:-1], w_f.shape[-1])
         grad_w = g.t() @ x_f
         grad_b = g.sum(0) if ctx.has_bias else None
         return grad_x, grad_w.to(ctx.w_dtype), grad_b, None, None
@@ -201,8 +201,9 @@ def calibrate_subln(model, batches):
         for h in hooks:
             h.remove()
         set_lambda(model, 1.0)
-    for m in norms:
-        m.weight.copy_(sums[m][0] / sums[m][1].clamp(min=1e-12))
+    for m, (ux, uu) in sums.items():
+        if torch.is_tensor(uu):  # an expert the batches routed no token to keeps gain 1
+            m.weight.copy_(ux / uu.clamp(min=1e-12))
     return model
 
 

@@ -37,7 +37,7 @@ import kernels
 from bitlinear import PackedBitLinear
 from kernels import pack_int8, ternary_linear
 from lora import add_lora, load_adapters, read_config
-from model import Transformer
+from model import MLP, Transformer
 
 
 def load(src, device='cpu', packed=True, tokenizer=''):
@@ -224,7 +224,9 @@ def fuse(model):
     groups = []
     for block in model.layers:
         groups.append((block.self_attn, ('q_proj', 'k_proj', 'v_proj')))
-        groups.append((block.mlp, ('gate_proj', 'up_proj')))
+    for mlp in model.layers.modules():  # each block's, or each expert's
+        if isinstance(mlp, MLP):
+            groups.append((mlp, ('gate_proj', 'up_proj')))
     for module, names in groups:
         parts = [getattr(module, n) for n in names]
         plain = [type(p) is PackedBitLinear and p.bias is None and p.lrc_u is None

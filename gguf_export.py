@@ -138,6 +138,7 @@ def unsupported(cfg):
     (an empty list: it can be exported)."""
     b = cfg.bitnet
     lacks = {'low-rank corrections': cfg.lrc_rank,
+             'a mixture of experts': cfg.n_experts,
              'ReLU^2 (it uses SiLU)': cfg.act != 'silu',
              'attention biases': b and cfg.attention_bias,
              'SubLN': cfg.subln and not b,

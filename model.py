@@ -21,9 +21,13 @@ ternary linears) BitNet b1.58 2B4T:
   writes a directory that transformers opens as `LlamaForCausalLM` (fp) or
   `BitNetForCausalLM` (ternary: latent weights quantized online, or, after `freeze()`,
   the packed 2-bit weights of the offline format, which inference runs with kernels.py).
+- Optionally each MLP is a mixture of experts (moe.py, laid out as Qwen2-MoE): a
+  full-precision router sends each token to its top_k experts, gated MLPs that are
+  ternary when the model is; fp MoE checkpoints open as `Qwen2MoeForCausalLM`.
 - The forward takes a KV cache and a position for inference (engine.py), a mask of the
   real tokens of left-padded rows (batched sampling for RL), and fills a `feats` dict
-  with what distillation asks for (objectives.py); it always returns the logits.
+  with what distillation and the router losses ask for (objectives.py); it always
+  returns the logits.
 """
 import json
 import math
@@ -37,6 +41,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from bitlinear import SubLN, add_lrc, calibrate_subln, convert_to_bitnet, freeze
+from moe import MoE, upcycle
 
 
 @dataclass
@@ -61,6 +66,12 @@ class ModelConfig:
                                  # (0: none)
     packed: bool = False         # BitLinears frozen to 2-bit PackedBitLinears
                                  # (inference only)
+    n_experts: int = 0           # mixture of experts: routed experts per MLP (0: dense)
+    top_k: int = 2               # ... the experts each token is routed to
+    n_shared_experts: int = 0    # ... the width of the shared expert every token passes
+                                 # through, in experts (0: none)
+    norm_topk_prob: bool = True  # ... the top_k routing weights renormalised to sum to 1
+    moe_intermediate_size: int = 0  # ... each expert's hidden size (0: intermediate_size)
     bos_token_id: int = None     # the tokenizer's; written to config.json even when
     eos_token_id: int = None     # None, since transformers would otherwise assume its
                                  # own (eos 2, a byte here)
@@ -72,6 +83,10 @@ class ModelConfig:
                              f"n_kv_head {self.n_kv_head}")
         if self.act not in ('silu', 'relu2'):
             raise ValueError(f"act={self.act!r} is not supported; use 'silu' or 'relu2'")
+        if self.n_experts and not 0 < self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k} must be between 1 and "
+                             f"n_experts={self.n_experts}")
+        self.moe_intermediate_size = self.moe_intermediate_size or self.intermediate_size
 
 
 class Attention(nn.Module):
@@ -120,9 +135,9 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, hidden=None):
         super().__init__()
-        C, H = cfg.n_embd, cfg.intermediate_size
+        C, H = cfg.n_embd, hidden or cfg.intermediate_size
         self.gate_proj = nn.Linear(C, H, bias=False)
         self.up_proj = nn.Linear(C, H, bias=False)
         self.down_proj = nn.Linear(H, C, bias=False)
@@ -143,11 +158,17 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
+        if cfg.n_experts:  # the experts are gated MLPs of their own hidden size
+            self.mlp = MoE(cfg, lambda hidden: MLP(cfg, hidden))
 
-    def forward(self, x, cos, sin, cache=None, pos=0, causal=True, qkv=None, mask=None):
+    def forward(self, x, cos, sin, cache=None, pos=0, causal=True, qkv=None, mask=None,
+                router=None):
         h = self.input_layernorm(x)
         x = x + self.self_attn(h, cos, sin, cache, pos, causal, qkv, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, MoE):
+            return x + self.mlp(h, router)
+        return x + self.mlp(h)
 
 
 def padding_mask(valid, pos, T):
@@ -231,6 +252,21 @@ class Transformer(nn.Module):
             calibrate_subln(self, calib)
         return self
 
+    @torch.no_grad()
+    def upcycle(self, n_experts, top_k, norm_topk_prob=True):
+        """Every dense MLP becomes an MoE of n_experts copies of itself behind a new
+        router (sparse upcycling, moe.py); with norm_topk_prob the model computes what it
+        did until training moves the experts apart."""
+        cfg = self.config
+        if cfg.n_experts:
+            raise ValueError("the model is a mixture of experts already")
+        cfg.n_experts, cfg.top_k, cfg.norm_topk_prob = n_experts, top_k, norm_topk_prob
+        cfg.moe_intermediate_size, cfg.n_shared_experts = cfg.intermediate_size, 0
+        cfg.__post_init__()  # checks top_k
+        for block in self.layers:
+            block.mlp = upcycle(block.mlp, cfg).to(self.embed_tokens.weight)
+        return self
+
     def add_lrc(self, rank):
         """Give every BitLinear a low-rank fp correction, initialised from its current
         weights."""
@@ -254,7 +290,8 @@ class Transformer(nn.Module):
         """Logits (B, T, vocab), always. Distillation asks for more through `feats`, a
         dict filled in place: feats['hidden'] (a list) gets every block's output,
         feats['qkv'] (a list) gets the q, k and v projections of block
-        feats['qkv_layer']. `valid` (B, pos + T), True at real tokens, keeps the
+        feats['qkv_layer'], feats['router'] (a list) gets every MoE layer's router
+        logits (B * T, n_experts). `valid` (B, pos + T), True at real tokens, keeps the
         padding of left-padded rows out of every causal attention."""
         B, T = idx.shape
         if pos + T > self.config.max_seq_len:
@@ -267,7 +304,7 @@ class Transformer(nn.Module):
         for i, block in enumerate(self.layers):
             qkv = feats['qkv'] if i == feats.get('qkv_layer') else None
             layer_cache = None if cache is None else cache[i]
-            args = (x, cos, sin, layer_cache, pos, causal, qkv, mask)
+            args = (x, cos, sin, layer_cache, pos, causal, qkv, mask, feats.get('router'))
             if self.grad_ckpt and self.training:
                 # keep block inputs; backward recomputes the rest
                 x = torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)
@@ -324,6 +361,8 @@ class Transformer(nn.Module):
                 sd[k] = 1 / sd[k]
         if tied := model.config.tie_embeddings:
             sd.pop('lm_head.weight', None)
+        if not model.config.n_shared_experts:  # Qwen2-MoE's zero-wide one (it adds 0)
+            sd = {k: v for k, v in sd.items() if '.shared_expert' not in k}
         own = {k for k in model.state_dict() if not (tied and k == 'lm_head.weight')}
         missing, unexpected = own - sd.keys(), sd.keys() - own
         if missing or unexpected:
@@ -343,6 +382,16 @@ class Transformer(nn.Module):
         if self.config.tie_embeddings:
             # safetensors stores a tensor once; HF re-ties on load
             sd.pop('lm_head.weight')
+        cfg = self.config
+        if cfg.n_experts and not cfg.n_shared_experts and not cfg.bitnet:
+            # Qwen2-MoE always has a shared expert: a zero-wide one adds exactly 0
+            dtype = self.embed_tokens.weight.dtype
+            for i in range(cfg.n_layer):
+                shared = f'model.layers.{i}.mlp.shared_expert'
+                sd[f'{shared}.gate_proj.weight'] = torch.zeros(0, cfg.n_embd, dtype=dtype)
+                sd[f'{shared}.up_proj.weight'] = torch.zeros(0, cfg.n_embd, dtype=dtype)
+                sd[f'{shared}.down_proj.weight'] = torch.zeros(cfg.n_embd, 0, dtype=dtype)
+                sd[f'{shared}_gate.weight'] = torch.zeros(1, cfg.n_embd, dtype=dtype)
         save_file(sd, os.path.join(path, 'model.safetensors'), metadata={'format': 'pt'})
         with open(os.path.join(path, 'config.json'), 'w') as f:
             hf = config_to_hf(self.config, next(self.parameters()).dtype)
@@ -359,12 +408,35 @@ HF_KEYS = dict(vocab_size='vocab_size', n_layer='num_hidden_layers',
                bos_token_id='bos_token_id', eos_token_id='eos_token_id')
 
 
+MOE_KEYS = dict(n_experts='num_experts', top_k='num_experts_per_tok',
+                norm_topk_prob='norm_topk_prob', moe_intermediate_size='moe_intermediate_size')
+
+
+def moe_from_hf(hf):
+    """The MoE settings of a Qwen2-MoE config.json (or of our ternary MoE's), refusing
+    what our MoE lacks."""
+    lacks = {'qkv_bias': hf.get('qkv_bias'), 'a sliding window': hf.get('use_sliding_window'),
+             'dense layers': hf.get('mlp_only_layers') or hf.get('decoder_sparse_step', 1) > 1}
+    if any(lacks.values()):
+        raise ValueError(f"Qwen2-MoE with {[k for k, v in lacks.items() if v]} is not "
+                         "supported: every layer here is MoE, with full attention, no bias")
+    kw = {ours: hf[theirs] for ours, theirs in MOE_KEYS.items() if theirs in hf}
+    kw.setdefault('norm_topk_prob', False)  # Qwen2-MoE's default
+    shared = hf.get('shared_expert_intermediate_size', 0)
+    if shared % kw['moe_intermediate_size']:
+        raise ValueError(f"shared_expert_intermediate_size {shared} is no multiple of "
+                         f"moe_intermediate_size {kw['moe_intermediate_size']}")
+    kw['n_shared_experts'] = shared // kw['moe_intermediate_size']
+    return kw
+
+
 def config_from_hf(hf):
     kind = hf.get('model_type')
-    if kind not in ('llama', 'bitnet', 'bitnet_lrc'):
+    if kind not in ('llama', 'bitnet', 'bitnet_lrc', 'qwen2_moe', 'bitnet_moe'):
         raise ValueError(f"model_type {kind!r} is not supported; "
-                         "use a llama or bitnet checkpoint")
-    kind = 'bitnet' if kind == 'bitnet_lrc' else kind
+                         "use a llama, qwen2_moe or bitnet checkpoint")
+    moe = moe_from_hf(hf) if kind in ('qwen2_moe', 'bitnet_moe') else {}
+    kind = 'bitnet' if kind.startswith('bitnet') else kind
     rope = hf.get('rope_parameters') or hf.get('rope_scaling') or {}
     if (scaling := rope.get('rope_type', rope.get('type', 'default'))) != 'default':
         raise ValueError(f"rope scaling {scaling!r} is not supported")
@@ -381,7 +453,7 @@ def config_from_hf(hf):
                          "linear_class 'autobitlinear' or 'bitlinear', "
                          "quantization_mode 'online' or 'offline', no use_rms_norm")
     kw = {ours: hf[theirs] for ours, theirs in HF_KEYS.items()
-          if hf.get(theirs) is not None}
+          if hf.get(theirs) is not None} | moe
     kw['rope_theta'] = float(rope.get('rope_theta', hf.get('rope_theta', 10000.0)))
     kw.setdefault('tie_embeddings', False)  # the Llama default
     kw['bitnet'] = kw['subln'] = kind == 'bitnet'
@@ -396,6 +468,14 @@ def config_to_hf(cfg, dtype):
               mlp_bias=False,
               rope_parameters={'rope_type': 'default', 'rope_theta': cfg.rope_theta},
               model_type='llama', architectures=['LlamaForCausalLM'])
+    if cfg.n_experts:
+        if cfg.attention_bias:
+            raise ValueError("Qwen2-MoE has no o_proj bias: "
+                             "a mixture of experts needs attention_bias=False")
+        shared = cfg.n_shared_experts * cfg.moe_intermediate_size
+        hf.update({theirs: getattr(cfg, ours) for ours, theirs in MOE_KEYS.items()})
+        hf.update(model_type='qwen2_moe', architectures=['Qwen2MoeForCausalLM'],
+                  qkv_bias=False, shared_expert_intermediate_size=shared)
     if cfg.bitnet:
         if cfg.head_dim * cfg.n_head != cfg.n_embd:
             raise ValueError("BitNetForCausalLM needs head_dim * n_head == n_embd")
@@ -404,10 +484,12 @@ def config_to_hf(cfg, dtype):
                  'quantization_mode': mode}
         hf.update(model_type='bitnet', architectures=['BitNetForCausalLM'],
                   quantization_config=quant)
+        # transformers has neither low-rank corrections nor ternary experts, and would
+        # drop them silently: these names make it refuse
         if cfg.lrc_rank:
-            # transformers has no low-rank corrections and would drop them silently:
-            # it refuses
             hf.update(model_type='bitnet_lrc', architectures=['BitNetLRCForCausalLM'])
+        if cfg.n_experts:
+            hf.update(model_type='bitnet_moe', architectures=['BitNetMoeForCausalLM'])
     elif cfg.subln:
         raise ValueError("an fp model with SubLN has no transformers class; "
                          "convert it to BitNet")

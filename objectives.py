@@ -23,6 +23,9 @@ The losses:
                the teacher as reference
 - `grpo`       group relative policy optimisation (Shao et al. 2024, DeepSeekMath §4) on
                sampled completions scored by reward functions (rl.py makes the batches)
+- `router`     a mixture of experts' auxiliary losses on its router logits: load
+               balance, z-loss, the MSE of the mean squared probabilities (moe.py);
+               on by default for an MoE student
 
 This file needs only torch (and requests for the remote teacher) and a model called like
 model.py's Transformer: model(idx, causal=..., feats=...) returns the logits and fills
@@ -364,9 +367,60 @@ class GRPO(Objective):
         return loss
 
 
+def router_losses(logits, top_k):
+    """One MoE layer's router terms from its logits (N, n_experts):
+    - load_balance  n_experts * sum_i f_i * P_i (Switch Transformer, Fedus et al. 2021,
+                    eq. 4), f_i the fraction of the N * top_k assignments that go to
+                    expert i, P_i the mean probability of expert i; 1 when balanced.
+                    (transformers' load_balancing_loss_func counts f_i per token, so
+                    that its value is top_k times this.)
+    - router_aux    MSE(mean over tokens of p^2, 1 / n_experts) over the experts: 0 when
+                    every token is sure of one expert and each expert gets as many
+    - z_loss        mean over tokens of logsumexp(logits)^2 (ST-MoE, Zoph et al. 2022):
+                    keeps the logits small, so their softmax stable in low precision
+    - router_entropy  mean entropy of p, logged only
+    - expert_load   the busiest expert's assignments over the mean, logged only"""
+    E = logits.size(-1)
+    z = logits.float()
+    p = z.softmax(dim=-1)  # (N, E)
+    chosen = p.topk(top_k, dim=-1).indices  # (N, k)
+    counts = chosen.flatten().bincount(minlength=E).float()  # (E,)
+    f = counts / chosen.numel()
+    P = p.mean(dim=0)
+    log_p = z.log_softmax(dim=-1)
+    return {'load_balance': E * (f * P).sum(),
+            'router_aux': (p.square().mean(dim=0) - 1 / E).square().mean(),
+            'z_loss': torch.logsumexp(z, dim=-1).square().mean(),
+            'router_entropy': -(p * log_p).sum(dim=-1).mean().detach(),
+            'expert_load': counts.max() / counts.mean()}
+
+
+class RouterLoss(Objective):
+    """The router losses of every MoE layer of the shared forward pass, summed with
+    their coefficients and averaged over the layers. Objectives that run the model
+    themselves (diffusion, DPO, GRPO) do not add them. Logs each term (the mean over
+    layers), the entropy, and each layer's expert load (max / mean assignments)."""
+    features = {'router': True}
+
+    def __init__(self, top_k=2, load_balance=0.01, z_loss=0.001, aux=0.0):
+        self.top_k = top_k
+        self.coef = {'load_balance': load_balance, 'z_loss': z_loss, 'router_aux': aux}
+        self.metrics = {}
+
+    def loss(self, batch, s, t):
+        layers = [router_losses(z, self.top_k) for z in s['router']]
+        mean = {k: sum(terms[k] for terms in layers) / len(layers) for k in layers[0]}
+        self.metrics = {k: v.detach() for k, v in mean.items()}
+        loads = [terms['expert_load'] for terms in layers]
+        self.metrics['expert_load'] = max(loads)
+        self.metrics |= {f'expert_load_{i}': load for i, load in enumerate(loads)}
+        return sum(c * mean[k] for k, c in self.coef.items())
+
+
 OBJECTIVES = {'ce': CrossEntropy, 'kd': LogitsKD, 'attn': AttentionRelationKD,
               'hidden': HiddenStateKD, 'lrc': LRCReconstruction,
-              'diffusion': MaskedDiffusion, 'dpo': DPO, 'grpo': GRPO}
+              'diffusion': MaskedDiffusion, 'dpo': DPO, 'grpo': GRPO,
+              'router': RouterLoss}
 
 
 class CurriculumScheduler:
@@ -400,16 +454,19 @@ class CurriculumScheduler:
                 for n in self.names}
 
 
-def run_model(model, x, hidden=False, qkv_layer=None, valid=None):
-    """One forward pass: {'logits'}, plus every block's output ('hidden')
-    and the q, k, v of one block ('qkv') when asked for. `valid` marks the real tokens
-    of left-padded rows (GRPO's rollouts)."""
+def run_model(model, x, hidden=False, qkv_layer=None, valid=None, router=False):
+    """One forward pass: {'logits'}, plus every block's output ('hidden'), the q, k,
+    v of one block ('qkv') and every MoE layer's router logits ('router') when asked
+    for. `valid` marks the real tokens of left-padded rows (GRPO's rollouts)."""
     feats = {'hidden': []} if hidden else {}
     if qkv_layer is not None:
         feats.update(qkv=[], qkv_layer=qkv_layer)
+    if router:
+        feats['router'] = []
     kw = {} if valid is None else {'valid': valid.to(next(model.parameters()).device)}
     logits = model(x, feats=feats, **kw)
-    return {'logits': logits, **{k: feats[k] for k in ('hidden', 'qkv') if k in feats}}
+    asked = ('hidden', 'qkv', 'router')
+    return {'logits': logits, **{k: feats[k] for k in asked if k in feats}}
 
 
 class LocalTeacher:
@@ -539,6 +596,14 @@ class ObjectiveManager:
                              f"choose from {sorted(OBJECTIVES)}")
         if 'diffusion' in settings:
             settings['diffusion'].setdefault('mask_id', mask_id)
+        experts, top_k = student.config.n_experts, student.config.top_k
+        if experts and 'router' not in settings:  # an MoE's router losses, at weight 1
+            settings = settings | {'router': {}}
+            phases = [(end, {'router': 1.0} | w) for end, w in phases]
+        if 'router' in settings and not experts:
+            raise ValueError("objective 'router' needs a mixture of experts: n_experts > 0")
+        if 'router' in settings:
+            settings['router'].setdefault('top_k', top_k)
         losses = {n: OBJECTIVES[n](**kw) for n, kw in settings.items()}
         curriculum = CurriculumScheduler(phases, blend)
         return cls(losses, curriculum, teacher, student.config.n_layer)
@@ -554,7 +619,7 @@ class ObjectiveManager:
         hidden, layer = want.get('hidden', False), want.get('qkv_layer')
         losses = {}
         if shared:
-            s = run_model(model, batch['x'], hidden, layer)
+            s = run_model(model, batch['x'], hidden, layer, router=want.get('router', False))
             t = None
             if any(o.needs_teacher for o in shared):
                 t_layer = want.get('teacher_qkv_layer')

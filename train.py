@@ -96,6 +96,10 @@ bitnet = True          # ternary attention/MLP linears with SubLN; False: the fp
 lambda_warmup = 0.0    # fraction of max_steps over which quantization ramps from 0 to 1
 subln_calib = 4        # converting a pretrained model: batches that calibrate SubLN
 lrc_rank = 0           # low-rank correction adapters on every BitLinear (0: none)
+# mixture of experts (moe.py): n_experts > 0 makes every MLP one; a dense init_from is
+# upcycled (its MLP copied into each expert). Router losses: objectives['router']
+moe = dict(n_experts=0, top_k=2, n_shared_experts=0, norm_topk_prob=True,
+           moe_intermediate_size=0)
 lora_rank = 0          # LoRA: train adapters of this rank on a frozen init_from (0: off)
 lora_alpha = 16.0      # the adapters' output is scaled by lora_alpha / lora_rank
 lora_targets = ','.join(TARGETS)  # the linears (of each block) that get adapters
@@ -235,7 +239,8 @@ def load(path):
 step, best_val, best_step, bad_evals = 0, float('inf'), 0, 0
 arch = ('n_layer', 'n_embd', 'n_head', 'n_kv_head', 'intermediate_size', 'act', 'bitnet')
 # what a resumed run cannot change (a setting newer than its checkpoint: as now)
-fixed = arch + ('lrc_rank', 'lora_rank', 'lora_targets', 'tokenizer', 'optimizer', 'zero1')
+fixed = arch + ('moe', 'lrc_rank', 'lora_rank', 'lora_targets', 'tokenizer', 'optimizer',
+               'zero1')
 if init_from == 'scratch':
     # the vocabulary padded to a multiple of 64 (faster matmuls, spare rows such as
     # diffusion's mask token); documents start with EOS, so it is also the BOS
@@ -243,7 +248,7 @@ if init_from == 'scratch':
         vocab_size=64 * math.ceil(enc.n_vocab / 64), max_seq_len=block_size,
         rope_theta=rope_theta, tie_embeddings=tie_embeddings,
         bos_token_id=eos_id(enc), eos_token_id=eos_id(enc),
-        **{k: config[k] for k in arch}))
+        **{k: config[k] for k in arch}, **moe))
 else:
     model = load(base)
     if state:
@@ -262,6 +267,8 @@ else:
         sys.exit(f"error: block_size={block_size} exceeds "
                  f"max_seq_len={model.config.max_seq_len}")
 model.to(device)
+if moe['n_experts'] and not model.config.n_experts:  # sparse upcycling, before to_bitnet
+    model.upcycle(moe['n_experts'], moe['top_k'], moe['norm_topk_prob'])
 if bitnet and not model.config.bitnet and not lora_rank:  # SubLN calibrated on batches
     model.to_bitnet(batches.calibration(subln_calib))
 if lrc_rank and not model.config.lrc_rank:
