@@ -304,7 +304,9 @@ class Transformer(nn.Module):
         for i, block in enumerate(self.layers):
             qkv = feats['qkv'] if i == feats.get('qkv_layer') else None
             layer_cache = None if cache is None else cache[i]
-            args = (x, cos, sin, layer_cache, pos, causal, qkv, mask, feats.get('router'))
+            # a new list per block: FSDP rebuilds any argument that holds tensors
+            router = [] if 'router' in feats else None
+            args = (x, cos, sin, layer_cache, pos, causal, qkv, mask, router)
             if self.grad_ckpt and self.training:
                 # keep block inputs; backward recomputes the rest
                 x = torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)
@@ -312,6 +314,8 @@ class Transformer(nn.Module):
                 x = block(*args)
             if 'hidden' in feats:
                 feats['hidden'].append(x)
+            if router:
+                feats['router'] += router
         return (self.head8 or self.lm_head)(self.norm(x))  # (B, T, vocab)
 
     def flops_per_token(self, T):

@@ -22,6 +22,9 @@ TINY = ['--n_layer=2', '--n_embd=32', '--n_head=2', '--n_kv_head=1', '--intermed
         '--eval_interval=4']
 
 
+MOE = "--moe={'n_experts': 4, 'top_k': 2, 'n_shared_experts': 1, 'moe_intermediate_size': 32}"
+
+
 def command(args, nan=(), spike=(), save_delay=0.0, enospc=0, ranks=1):
     """`python train.py tests/faults.py ...` (or torchrun's ranks of it): a real run, with faults
     injected by that config file."""
@@ -79,7 +82,7 @@ def shard_dirs(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('variant', ['adamw', 'muon', 'distill', 'mixture', 'grpo'])
+@pytest.mark.parametrize('variant', ['adamw', 'muon', 'distill', 'mixture', 'grpo', 'moe'])
 def test_resume_after_sigkill_is_bit_exact(tmp_path, variant, teacher_dir, shard_dirs):
     args = ['--max_steps=8', '--ckpt_interval=2']
     if variant == 'grpo':  # completions sampled at every step: their seeds follow the step
@@ -93,6 +96,8 @@ def test_resume_after_sigkill_is_bit_exact(tmp_path, variant, teacher_dir, shard
                  '--remix_interval=3']
     if variant == 'muon':
         args += ['--optimizer=muon']
+    if variant == 'moe':  # ternary experts and a shared expert; the router losses on by default
+        args += [MOE]
     if variant == 'distill':  # logits KD from a teacher, plus diffusion, whose masks use the RNG
         args += [f'--teacher={teacher_dir}', "--objectives={'ce': {}, 'kd': {}, 'diffusion': {}}",
                  "--curriculum=[(0.25, {'ce': 1.0}), (1.0, {'ce': 1.0, 'kd': 1.0, 'diffusion': 0.5})]"]
@@ -117,6 +122,8 @@ def test_resume_after_sigkill_is_bit_exact(tmp_path, variant, teacher_dir, shard
         assert a[-1]['loss_kd'] == b[-1]['loss_kd'] and 'loss_diffusion' in b[-1]
     if variant == 'mixture':
         assert a[5]['mix_a'] == b[5]['mix_a'] and a[5]['mix_a'] != 0.5  # reweighted at step 6, after the resume
+    if variant == 'moe':
+        assert a[-1]['loss_router'] == b[-1]['loss_router'] and a[-1]['expert_load_1'] == b[-1]['expert_load_1']
     if variant == 'grpo':
         # (at rho = 1 the loss's value is -mean(A), about 0; its gradient is not)
         assert [x['reward_vowels'] for x in a] == [y['reward_vowels'] for y in b] and a[-1]['grad_norm'] > 0
@@ -248,6 +255,24 @@ def test_ddp_and_zero1_match_a_single_process(tmp_path):
     # ZeRO-1 consolidates its shards for the checkpoint: resuming from it continues like DDP
     r = torchrun([*common, f'--out_dir={zero}', '--zero1=True', '--init_from=resume', '--max_steps=8'])
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.slow
+def test_moe_under_ddp_and_fsdp_matches_a_single_process(tmp_path):
+    """Every expert has a gradient on every rank, even one no token of a rank's batch went to
+    (DDP would otherwise stop at the second step): 2 ranks equal one process to 1e-5, router losses
+    included."""
+    common = ['--max_steps=6', '--gradient_accumulation_steps=2', MOE]
+    one, two, sharded = (str(tmp_path / n) for n in ('one', 'two', 'fsdp'))
+    assert run([*common, f'--out_dir={one}']).returncode == 0
+    r = torchrun([*common, f'--out_dir={two}'])
+    assert r.returncode == 0, r.stderr
+    r = torchrun([*common, f'--out_dir={sharded}', '--fsdp=True'])
+    assert r.returncode == 0, r.stderr
+    for x, y, z in zip(log(one), log(two), log(sharded), strict=True):
+        for key in ('loss', 'loss_router', 'load_balance'):
+            assert abs(x[key] - y[key]) <= 1e-5 * abs(x[key]) and abs(x[key] - z[key]) <= 1e-5 * abs(x[key])
+        assert x['expert_load'] == y['expert_load'] == z['expert_load']
 
 
 def test_zclip_on_a_scripted_sequence_of_norms():
