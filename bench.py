@@ -2,6 +2,7 @@
 bench.py kernels  # the packed ternary matmul against its peers
 bench.py decode   # tokens/s of ours (fp32, packed, fused) and llama.cpp, same weights
 bench.py train    # a training step: ours, the fake-quant reference, fp32, transformers
+bench.py moe      # a mixture-of-experts training step against top_k and n_experts
 bench.py curve    # 200 training steps, int8 path vs fake-quant reference (minutes)
 bench.py distill  # SmolLM2-135M-Instruct made ternary by train.py, per recipe (~1.5 h)
 
@@ -285,6 +286,23 @@ def bench_train(rounds=6):
         print(f"{f'{a} / {b}':>22}" + "".join(cells))
 
 
+def bench_moe(rounds=4):
+    """One training step of config/moe.py's ternary model on 16 x 128 tokens: the work
+    per token grows with top_k; more experts add their optimizer and quantizer work."""
+    shapes = [(8, 1), (8, 2), (8, 4), (4, 2), (16, 2), (32, 2)]  # (n_experts, top_k)
+    x, y = torch.randint(320, (2, 16, 128), generator=torch.Generator().manual_seed(0))
+    steps = {}
+    for E, k in shapes:
+        torch.manual_seed(0)
+        cfg = ModelConfig(vocab_size=320, max_seq_len=128, bitnet=True, n_experts=E,
+                          top_k=k, moe_intermediate_size=256)
+        steps[E, k] = stepper(Transformer(cfg).to(device))
+    ms = timeit({s: (steps[s], [(x.to(device), y.to(device))]) for s in shapes}, rounds, 1)
+    print(f"\nMoE training step, best of {rounds}\n n_experts  top_k        ms  vs (8, 2)")
+    for (E, k), t in ms.items():
+        print(f"{E:>10}{k:>7}{t:10.1f}{t / ms[8, 2]:9.2f}x")
+
+
 def bench_curve(steps=200):
     """The int8 path vs its definition (bit-identical, curves must match) and vs itself
     from weights 1 ulp off: what a last-bit change does once a quantizer flips a code."""
@@ -361,7 +379,7 @@ def bench_distill(out='out-distill'):
 
 if __name__ == '__main__':
     sections = dict(kernels=bench_matmul, decode=bench_decode, train=bench_train,
-                    curve=bench_curve, distill=bench_distill)
+                    moe=bench_moe, curve=bench_curve, distill=bench_distill)
     which = sys.argv[1:] or list(sections)
     if any(s not in sections for s in which):
         sys.exit(f"error: unknown section in {which}; choose from {list(sections)}")

@@ -219,6 +219,31 @@ def test_real_model_converted_at_lambda_0_keeps_its_held_out_loss(real):
 
 
 @pytest.mark.slow
+def test_real_model_upcycled_to_a_ternary_moe_keeps_its_held_out_loss_at_lambda_0(real):
+    """Sparse upcycling as train.py does it (8 copies of each MLP, top 2, then BitNet with calibrated
+    SubLN): at lambda 0 the MoE is the pretrained model, in fp to 1e-3 in the logits, and in held-out
+    loss to 0.05 nats per token after conversion."""
+    from bitlinear import set_lambda
+    from tokenizer import get_tokenizer
+    from data import offline_corpus
+    train, val = (torch.from_numpy(t[:2049].astype('int64')) for t in offline_corpus(get_tokenizer(real)))
+    x, y = val[:-1].view(4, 512), val[1:]
+    dense = Transformer.from_pretrained(real)
+    with torch.no_grad():
+        want = dense(x)
+        moe = dense.upcycle(8, 2)
+        assert (moe(x) - want).abs().max() < 1e-3  # logits up to ~20: w * MLP + (1 - w) * MLP in fp32
+    calib = [train[i:i + 512][None] for i in range(0, 2048, 512)]
+    student = moe.to_bitnet(calib)
+    set_lambda(student, 0.0)
+    with torch.no_grad():
+        teacher = F.cross_entropy(want.flatten(0, 1), y).item()
+        upcycled = F.cross_entropy(student(x).flatten(0, 1), y).item()
+    print(f"held-out nats/token: dense {teacher:.4f}, upcycled ternary MoE at lambda 0 {upcycled:.4f}")
+    assert abs(upcycled - teacher) < 0.05
+
+
+@pytest.mark.slow
 def test_real_model_int8_head_keeps_held_out_loss_and_greedy_answers(real):
     """engine.fuse gives the head int8 rows (4x fewer bytes per token). On the real model, that
     must barely change what it says: held-out loss within 0.01 nats; greedy chat answers the same for
