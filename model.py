@@ -21,9 +21,8 @@ ternary linears) BitNet b1.58 2B4T:
   writes a directory that transformers opens as `LlamaForCausalLM` (fp) or
   `BitNetForCausalLM` (ternary: latent weights quantized online, or, after `freeze()`,
   the packed 2-bit weights of the offline format, which inference runs with kernels.py).
-- Optionally each MLP is a mixture of experts (moe.py, laid out as Qwen2-MoE): a
-  full-precision router sends each token to its top_k experts, gated MLPs that are
-  ternary when the model is; fp MoE checkpoints open as `Qwen2MoeForCausalLM`.
+- Each MLP can be a mixture of experts (moe.py): gated MLPs, ternary when the model is,
+  behind an fp router; an fp MoE opens in transformers as `Qwen2MoeForCausalLM`.
 - The forward takes a KV cache and a position for inference (engine.py), a mask of the
   real tokens of left-padded rows (batched sampling for RL), and fills a `feats` dict
   with what distillation and the router losses ask for (objectives.py); it always
@@ -157,9 +156,8 @@ class Block(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        self.mlp = MLP(cfg)
-        if cfg.n_experts:  # the experts are gated MLPs of their own hidden size
-            self.mlp = MoE(cfg, lambda hidden: MLP(cfg, hidden))
+        # a mixture of experts is made of gated MLPs of its own hidden size
+        self.mlp = MoE(cfg, lambda hidden: MLP(cfg, hidden)) if cfg.n_experts else MLP(cfg)
 
     def forward(self, x, cos, sin, cache=None, pos=0, causal=True, qkv=None, mask=None,
                 router=None):
@@ -253,15 +251,18 @@ class Transformer(nn.Module):
         return self
 
     @torch.no_grad()
-    def upcycle(self, n_experts, top_k, norm_topk_prob=True):
-        """Every dense MLP becomes an MoE of n_experts copies of itself behind a new
-        router (sparse upcycling, moe.py); with norm_topk_prob the model computes what it
-        did until training moves the experts apart."""
+    def upcycle(self, n_experts, top_k=2, norm_topk_prob=True, n_shared_experts=0,
+                moe_intermediate_size=0):
+        """Sparse upcycling (moe.py): every MLP becomes n_experts copies of itself behind
+        a new router; with norm_topk_prob the model computes what it did."""
         cfg = self.config
+        if n_shared_experts or moe_intermediate_size not in (0, cfg.intermediate_size):
+            raise ValueError("upcycled experts are copies of the MLP: no shared expert, "
+                             "no other size")
         if cfg.n_experts:
             raise ValueError("the model is a mixture of experts already")
         cfg.n_experts, cfg.top_k, cfg.norm_topk_prob = n_experts, top_k, norm_topk_prob
-        cfg.moe_intermediate_size, cfg.n_shared_experts = cfg.intermediate_size, 0
+        cfg.moe_intermediate_size = cfg.intermediate_size
         cfg.__post_init__()  # checks top_k
         for block in self.layers:
             block.mlp = upcycle(block.mlp, cfg).to(self.embed_tokens.weight)
@@ -389,13 +390,12 @@ class Transformer(nn.Module):
         cfg = self.config
         if cfg.n_experts and not cfg.n_shared_experts and not cfg.bitnet:
             # Qwen2-MoE always has a shared expert: a zero-wide one adds exactly 0
-            dtype = self.embed_tokens.weight.dtype
+            C = cfg.n_embd
+            shapes = {'.gate_proj.weight': (0, C), '.up_proj.weight': (0, C),
+                      '.down_proj.weight': (C, 0), '_gate.weight': (1, C)}
             for i in range(cfg.n_layer):
-                shared = f'model.layers.{i}.mlp.shared_expert'
-                sd[f'{shared}.gate_proj.weight'] = torch.zeros(0, cfg.n_embd, dtype=dtype)
-                sd[f'{shared}.up_proj.weight'] = torch.zeros(0, cfg.n_embd, dtype=dtype)
-                sd[f'{shared}.down_proj.weight'] = torch.zeros(cfg.n_embd, 0, dtype=dtype)
-                sd[f'{shared}_gate.weight'] = torch.zeros(1, cfg.n_embd, dtype=dtype)
+                for name, shape in shapes.items():
+                    sd[f'model.layers.{i}.mlp.shared_expert{name}'] = torch.zeros(shape)
         save_file(sd, os.path.join(path, 'model.safetensors'), metadata={'format': 'pt'})
         with open(os.path.join(path, 'config.json'), 'w') as f:
             hf = config_to_hf(self.config, next(self.parameters()).dtype)

@@ -241,15 +241,7 @@ arch = ('n_layer', 'n_embd', 'n_head', 'n_kv_head', 'intermediate_size', 'act', 
 # what a resumed run cannot change (a setting newer than its checkpoint: as now)
 fixed = arch + ('moe', 'lrc_rank', 'lora_rank', 'lora_targets', 'tokenizer', 'optimizer',
                'zero1')
-if init_from == 'scratch':
-    # the vocabulary padded to a multiple of 64 (faster matmuls, spare rows such as
-    # diffusion's mask token); documents start with EOS, so it is also the BOS
-    model = Transformer(ModelConfig(
-        vocab_size=64 * math.ceil(enc.n_vocab / 64), max_seq_len=block_size,
-        rope_theta=rope_theta, tie_embeddings=tie_embeddings,
-        bos_token_id=eos_id(enc), eos_token_id=eos_id(enc),
-        **{k: config[k] for k in arch}, **moe))
-else:
+if init_from != 'scratch':
     model = load(base)
     if state:
         was = config | state['config']
@@ -266,9 +258,20 @@ else:
     if model.config.max_seq_len < block_size:
         sys.exit(f"error: block_size={block_size} exceeds "
                  f"max_seq_len={model.config.max_seq_len}")
+try:  # model settings it cannot build are a one-line error
+    if init_from == 'scratch':
+        # the vocabulary padded to a multiple of 64 (faster matmuls, spare rows such as
+        # diffusion's mask token); documents start with EOS, so it is also the BOS
+        model = Transformer(ModelConfig(
+            vocab_size=64 * math.ceil(enc.n_vocab / 64), max_seq_len=block_size,
+            rope_theta=rope_theta, tie_embeddings=tie_embeddings,
+            bos_token_id=eos_id(enc), eos_token_id=eos_id(enc),
+            **{k: config[k] for k in arch}, **moe))
+    elif moe.get('n_experts') and not model.config.n_experts:  # upcycling, before to_bitnet
+        model.upcycle(**moe)
+except (TypeError, ValueError) as e:
+    sys.exit(f"error: model: {e}")
 model.to(device)
-if moe['n_experts'] and not model.config.n_experts:  # sparse upcycling, before to_bitnet
-    model.upcycle(moe['n_experts'], moe['top_k'], moe['norm_topk_prob'])
 if bitnet and not model.config.bitnet and not lora_rank:  # SubLN calibrated on batches
     model.to_bitnet(batches.calibration(subln_calib))
 if lrc_rank and not model.config.lrc_rank:

@@ -268,3 +268,38 @@ def test_upcycling_keeps_the_dense_model_and_then_trains_its_experts_apart():
         assert (moe(x) - before).abs().max() < 1e-5
     with pytest.raises(ValueError, match='mixture of experts already'):
         moe.upcycle(8, 2)
+
+
+def test_train_py_upcycles_a_dense_checkpoint_and_samples_from_it(tmp_path):
+    """--moe with a dense init_from: the first step's CE is the dense model's; the checkpoint is a
+    Qwen2-MoE that sample.py opens; a resume cannot change the experts."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = str(tmp_path / 'dense')
+    torch.manual_seed(0)
+    Transformer(ModelConfig(vocab_size=320, n_layer=1, n_embd=32, n_head=2, n_kv_head=1, intermediate_size=64,
+                            max_seq_len=64)).save_pretrained(src)
+    tiny = ['--batch_size=4', '--block_size=32', '--eval_iters=2', '--log_interval=1', '--sample_tokens=0',
+            '--max_steps=2', '--eval_interval=2', f'--init_from={src}', '--bitnet=False']
+
+    def run(*args, script='train.py'):
+        return subprocess.run([sys.executable, script, *args], cwd=root, capture_output=True, text=True,
+                              timeout=300)
+    moe = "--moe={'n_experts': 4, 'top_k': 2}"
+    first_ce = []
+    for name, extra in (('dense', []), ('moe', [moe])):
+        out = str(tmp_path / name)
+        r = run(*tiny, *extra, f'--out_dir={out}')
+        assert r.returncode == 0, r.stderr
+        first_ce.append(json.loads(open(os.path.join(out, 'log.jsonl')).readline())['loss_ce'])
+    assert abs(first_ce[0] - first_ce[1]) < 1e-5
+    out = str(tmp_path / 'moe')
+    cfg = json.load(open(os.path.join(out, 'ckpt_0000002', 'config.json')))
+    assert cfg['architectures'] == ['Qwen2MoeForCausalLM'] and cfg['num_experts'] == 4
+    r = run(f'--ckpt={out}', '--num_tokens=8', '--prompt=Hello', script='sample.py')
+    assert r.returncode == 0 and r.stdout.startswith('Hello'), r.stderr
+    r = run(*tiny, "--moe={'n_experts': 8, 'top_k': 2}", f'--out_dir={out}', '--init_from=resume',
+            '--max_steps=3')
+    assert r.returncode == 1 and 'was trained with moe=' in r.stderr and r.stderr.count('\n') == 1
