@@ -287,20 +287,20 @@ def bench_train(rounds=6):
 
 
 def bench_moe(rounds=4):
-    """One training step of config/moe.py's ternary model on 16 x 128 tokens: the work
-    per token grows with top_k; more experts add their optimizer and quantizer work."""
+    """A training step of config/moe.py's ternary model against top_k and n_experts."""
     shapes = [(8, 1), (8, 2), (8, 4), (4, 2), (16, 2), (32, 2)]  # (n_experts, top_k)
-    x, y = torch.randint(320, (2, 16, 128), generator=torch.Generator().manual_seed(0))
     steps = {}
     for E, k in shapes:
         torch.manual_seed(0)
         cfg = ModelConfig(vocab_size=320, max_seq_len=128, bitnet=True, n_experts=E,
                           top_k=k, moe_intermediate_size=256)
         steps[E, k] = stepper(Transformer(cfg).to(device))
-    ms = timeit({s: (steps[s], [(x.to(device), y.to(device))]) for s in shapes}, rounds, 1)
-    print(f"\nMoE training step, best of {rounds}\n n_experts  top_k        ms  vs (8, 2)")
-    for (E, k), t in ms.items():
-        print(f"{E:>10}{k:>7}{t:10.1f}{t / ms[8, 2]:9.2f}x")
+    for B in (16, 64):
+        x, y = torch.randint(320, (2, B, 128), generator=torch.Generator().manual_seed(0))
+        ms = timeit({s: (steps[s], [(x.to(device), y.to(device))]) for s in shapes}, rounds, 1)
+        print(f"\nMoE training step, {B} x 128 tokens, best of {rounds}: ms, and vs (8, 2)")
+        for (E, k), t in ms.items():
+            print(f"n_experts {E:>2}, top_k {k}: {t:7.1f} {t / ms[8, 2]:5.2f}x")
 
 
 def bench_curve(steps=200):
