@@ -156,7 +156,6 @@ class Block(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        # a mixture of experts is made of gated MLPs of its own hidden size
         self.mlp = MoE(cfg, lambda hidden: MLP(cfg, hidden)) if cfg.n_experts else MLP(cfg)
 
     def forward(self, x, cos, sin, cache=None, pos=0, causal=True, qkv=None, mask=None,
@@ -320,10 +319,12 @@ class Transformer(nn.Module):
         return (self.head8 or self.lm_head)(self.norm(x))  # (B, T, vocab)
 
     def flops_per_token(self, T):
-        # 6 flops per parameter per token (forward + backward)
-        # plus attention's QK^T and AV
+        # 6 flops per parameter a token uses (forward + backward), plus attention's QK^T
+        # and AV; a token uses top_k of an MoE's n_experts experts
         cfg = self.config
-        return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
+        idle = sum(p.numel() for n, p in self.named_parameters() if '.experts.' in n)
+        idle *= 1 - cfg.top_k / cfg.n_experts if cfg.n_experts else 0
+        return 6 * (self.num_params() - idle) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
 
     # ------------------------------------------------------------ Hugging Face format
 

@@ -205,6 +205,14 @@ def test_an_moe_student_gets_its_router_losses_by_default_and_a_dense_one_none()
         ObjectiveManager.from_settings({'ce': {}, 'router': {}}, [(1.0, {'ce': 1.0})], 'switch', None, dense)
 
 
+def test_flops_per_token_count_the_experts_a_token_uses():
+    model = Transformer(config(n_experts=8, top_k=2, n_shared_experts=1))
+    expert = sum(p.numel() for p in model.layers[0].mlp.experts[0].parameters())
+    others = model.num_params() - 8 * expert * 2  # 2 layers of 8 experts
+    attention = 12 * 2 * 4 * 8 * 10  # QK^T and AV: n_layer * n_head * head_dim * T
+    assert model.flops_per_token(10) == 6 * (others + 2 * expert * 2) + attention
+
+
 def test_activation_checkpointing_gives_the_same_router_gradients():
     torch.manual_seed(0)
     model = Transformer(config(bitnet=True, n_shared_experts=1))
