@@ -114,6 +114,8 @@ teacher_top_k = 20     # logprobs per position from a vLLM teacher
 # optimizer: AdamW for everything, or Muon for the hidden matrices and AdamW for the rest
 optimizer = 'adamw'    # 'adamw' or 'muon'
 max_steps = 750        # optimizer steps; every schedule below is laid out over them
+stop_after = 0         # end at this step, evaluated and saved, to resume later with
+                       # the same schedules (training in chunks; 0: at max_steps)
 learning_rate = 3e-3   # the hidden matrices' LR (--lr_find=True suggests one)
 embed_lr = 0.0         # 0: same as learning_rate
 head_lr = 0.0
@@ -271,6 +273,8 @@ try:  # model settings it cannot build are a one-line error
         model.upcycle(**moe)
 except (TypeError, ValueError) as e:
     sys.exit(f"error: model: {e}")
+if stop_after and not step < stop_after < max_steps:
+    sys.exit(f"error: stop_after={stop_after} must lie after step {step}, below max_steps")
 model.to(device)
 if bitnet and not model.config.bitnet and not lora_rank:  # SubLN calibrated on batches
     model.to_bitnet(batches.calibration(subln_calib))
@@ -504,7 +508,7 @@ t_start = t_last = time.time()
 tokens_seen, nan_run = step * tokens_per_step, 0
 data_state = batches.loader.state_dict() if batches.loader else None
 b = batches.get(step, 0)
-while step < max_steps:
+while step < (stop_after or max_steps):
     floor = min_lr / learning_rate
     factor = lr_factor(step, max_steps, warmup_steps, schedule, floor, decay_frac)
     lrs = set_lr(optimizers, factor)
@@ -529,7 +533,7 @@ while step < max_steps:
     if batches.loader:  # where the next step reads
         data_state = batches.loader.state_dict()
     b = batches.get(step, 0)
-    last = step == max_steps
+    last = step in (max_steps, stop_after)  # of the run, or of its chunk
 
     # evaluate: the val loss (and samples), the best one so far, early stopping
     rec, improved, stop = {}, False, False

@@ -8,13 +8,14 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# non-blank lines, a line over 100 characters counting once per started 100. train.py has 10
-# lines over the design's 550 since the mixture-of-experts settings and upcycling; moe.py is
-# split from model.py (whose budget held the MoE MLP) so that model.py stays inside 450
+# non-blank lines, a line over 100 characters counting once per started 100. train.py has 15
+# lines over the design's 550 since the mixture-of-experts settings and upcycling, and
+# stop_after (training in chunks); moe.py is split from model.py (whose budget held the MoE
+# MLP) so that model.py stays inside 450
 BUDGETS = {'bitlinear.py': 300, 'kernels.py': 500, 'model.py': 450, 'moe.py': 150, 'engine.py': 300,
            'lora.py': 150, 'objectives.py': 550, 'optim.py': 250, 'tokenizer.py': 250,
            'hub.py': 200, 'data.py': 450, 'checkpoint.py': 200, 'gguf_export.py': 250,
-           'eval.py': 250, 'rl.py': 300, 'train.py': 560, 'configurator.py': 60,
+           'eval.py': 250, 'rl.py': 300, 'train.py': 565, 'configurator.py': 60,
            'sample.py': 120, 'bench.py': 350}
 # a module may import project modules of lower levels only (tokenizer may use hub, beside it);
 # among the pieces, engine opens checkpoints (checkpoint, lora); eval and rl run what engine samples

@@ -130,6 +130,34 @@ def test_resume_after_sigkill_is_bit_exact(tmp_path, variant, teacher_dir, shard
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize('variant', ['adamw', 'distill', 'mixture'])
+def test_training_in_four_chunks_equals_training_straight_through(tmp_path, variant, teacher_dir, shard_dirs):
+    """--stop_after ends a run at a step (evaluated and saved) with the schedules still laid over
+    max_steps; resuming chunk after chunk gives the straight run's losses bit for bit."""
+    args = ['--max_steps=8']
+    if variant == 'distill':
+        args += [f'--teacher={teacher_dir}', "--objectives={'ce': {}, 'kd': {}, 'diffusion': {}}",
+                 "--curriculum=[(0.25, {'ce': 1.0}), (1.0, {'ce': 1.0, 'kd': 1.0, 'diffusion': 0.5})]"]
+    if variant == 'mixture':
+        args += [f'--dataset={shard_dirs[0]}', f"--mixture={{'a': ('{shard_dirs[0]}', 1.0), 'b': ('{shard_dirs[1]}', 1.0)}}",
+                 '--remix_interval=3']
+    straight, chunked = str(tmp_path / 'straight'), str(tmp_path / 'chunked')
+    assert run([*args, f'--out_dir={straight}']).returncode == 0
+    for end in (2, 4, 6, 0):
+        start = '--init_from=scratch' if end == 2 else '--init_from=resume'
+        r = run([*args, f'--out_dir={chunked}', start, f'--stop_after={end}'])
+        assert r.returncode == 0, r.stderr
+        assert log(chunked)[-1]['step'] == (end or 8) and 'val_loss' in log(chunked)[-1]
+    a, b = log(straight), log(chunked)
+    assert [rec['step'] for rec in b] == list(range(1, 9))
+    for x, y in zip(a, b):
+        assert x['loss'] == y['loss'] and x['lr_hidden'] == y['lr_hidden'], (x, y)
+        assert 'val_loss' not in x or x['val_loss'] == y['val_loss']
+    r = run([*args, f'--out_dir={chunked}', '--init_from=resume', '--stop_after=8'])
+    assert r.returncode == 1 and r.stderr == 'error: stop_after=8 must lie after step 8, below max_steps\n'
+
+
+@pytest.mark.slow
 def test_sigkill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
     out = str(tmp_path / 'out')
     args = ['--max_steps=8', '--ckpt_interval=2', f'--out_dir={out}']
