@@ -1,5 +1,6 @@
-"""Shared by the tests: the project root on sys.path, and a fake Hugging Face hub served over
-real HTTP on 127.0.0.1 (HF_ENDPOINT points at it; no mocks)."""
+"""Shared by the tests: the project root on sys.path, a fake Hugging Face hub served over
+real HTTP on 127.0.0.1 (HF_ENDPOINT points at it; no mocks), a small teacher checkpoint and two
+prepared data sources for the training runs."""
 import hashlib
 import http.server
 import os
@@ -10,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -86,3 +88,25 @@ def hub_server(tmp_path, monkeypatch):
 
 def blob(n, seed=0):
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+@pytest.fixture(scope='session')
+def teacher_dir(tmp_path_factory):
+    from model import ModelConfig, Transformer
+    path = str(tmp_path_factory.mktemp('teacher'))
+    torch.manual_seed(0)
+    Transformer(ModelConfig(vocab_size=320, n_layer=2, n_embd=48, n_head=2, n_kv_head=2, intermediate_size=64,
+                            max_seq_len=64)).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope='session')
+def shard_dirs(tmp_path_factory):
+    """Two prepared sources: the offline corpus's first and second halves, as text files."""
+    from pydoc_data.topics import topics
+    import data
+    root, names = tmp_path_factory.mktemp('shards'), sorted(topics)
+    for part, keys in (('a', names[:40]), ('b', names[40:])):
+        (root / f'{part}.txt').write_text('<|endoftext|>'.join(topics[k] for k in keys))
+        data.prepare([str(root / f'{part}.txt')], str(root / part), val_every=4)
+    return str(root / 'a'), str(root / 'b')

@@ -57,30 +57,6 @@ def wait_for(path, proc, timeout=120):
         time.sleep(0.01)
 
 
-@pytest.fixture(scope='module')
-def teacher_dir(tmp_path_factory):
-    sys.path.insert(0, ROOT)
-    from model import ModelConfig, Transformer
-    path = str(tmp_path_factory.mktemp('teacher'))
-    torch.manual_seed(0)
-    Transformer(ModelConfig(vocab_size=320, n_layer=2, n_embd=48, n_head=2, n_kv_head=2, intermediate_size=64,
-                            max_seq_len=64)).save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope='module')
-def shard_dirs(tmp_path_factory):
-    """Two prepared sources: the offline corpus's first and second halves, as text files."""
-    sys.path.insert(0, ROOT)
-    from pydoc_data.topics import topics
-    import data
-    root, names = tmp_path_factory.mktemp('shards'), sorted(topics)
-    for part, keys in (('a', names[:40]), ('b', names[40:])):
-        (root / f'{part}.txt').write_text('<|endoftext|>'.join(topics[k] for k in keys))
-        data.prepare([str(root / f'{part}.txt')], str(root / part), val_every=4)
-    return str(root / 'a'), str(root / 'b')
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize('variant', ['adamw', 'muon', 'distill', 'mixture', 'grpo', 'moe'])
 def test_resume_after_sigkill_is_bit_exact(tmp_path, variant, teacher_dir, shard_dirs):

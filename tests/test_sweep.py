@@ -1,0 +1,143 @@
+"""sweep.py: arms trained in chunks compute what they compute straight through, the chunks go in
+the stated order, successive halving and the stop / resume / clone commands do what they say,
+and a sweep killed mid-chunk ends with the uninterrupted sweep's table."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import sweep
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ['--n_layer=2', '--n_embd=32', '--n_head=2', '--n_kv_head=1', '--intermediate_size=64', '--batch_size=4',
+        '--block_size=32', '--eval_iters=2', '--log_interval=1', '--warmup_steps=2', '--eval_interval=4']
+
+
+def write_sweep(tmp_path, arms, chunks=4, halving=False, name='sweep'):
+    path = tmp_path / f'{name}.py'
+    path.write_text(f"out_dir = {str(tmp_path / name)!r}\nbase = {TINY!r}\nmax_steps = 8\n"
+                    f"chunks = {chunks}\narms = {arms!r}\nhalving = {halving}\n")
+    return str(path)
+
+
+def run(*args):
+    return subprocess.run([sys.executable, 'sweep.py', *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+
+
+def log(folder):
+    with open(os.path.join(folder, 'log.jsonl')) as f:
+        return [json.loads(line) for line in f]
+
+
+def tables(folder):
+    with open(os.path.join(folder, 'sweep.jsonl')) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+def test_three_arms_in_four_chunks_equal_their_straight_runs_and_take_turns(tmp_path, teacher_dir, shard_dirs):
+    arms = {'plain': {},
+            'distill': {'teacher': teacher_dir, 'objectives': {'ce': {}, 'kd': {}, 'diffusion': {}},
+                        'curriculum': [(0.25, {'ce': 1.0}), (1.0, {'ce': 1.0, 'kd': 1.0, 'diffusion': 0.5})]},
+            'mixture': {'dataset': shard_dirs[0], 'mixture': {'a': (shard_dirs[0], 1.0), 'b': (shard_dirs[1], 1.0)},
+                        'remix_interval': 3}}
+    r = run(write_sweep(tmp_path, arms))
+    assert r.returncode == 0, r.stderr
+    for name, overrides in arms.items():
+        straight = str(tmp_path / f'straight_{name}')
+        cmd = [sys.executable, 'train.py', *TINY, *sweep.arguments(name, overrides), '--max_steps=8',
+               '--sample_tokens=0', f'--out_dir={straight}']
+        assert subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=600).returncode == 0
+        a, b = log(straight), log(tmp_path / 'sweep' / name)
+        assert [x['step'] for x in b] == list(range(1, 9))
+        for x, y in zip(a, b):
+            assert x['loss'] == y['loss'] and x['lr_hidden'] == y['lr_hidden'], (name, x, y)
+    # one chunk per table: the arm with the fewest chunks done goes next, the first named on a tie
+    steps = [[row['step'] for row in t] for t in tables(tmp_path / 'sweep')]
+    advanced = [next(i for i, (u, v) in enumerate(zip(before, after)) if u != v)
+                for before, after in zip([[0, 0, 0]] + steps, steps)]
+    assert advanced == [0, 1, 2] * 4
+    assert [row['status'] for row in tables(tmp_path / 'sweep')[-1]] == ['done'] * 3
+    assert os.path.exists(tmp_path / 'sweep' / 'sweep.svg')
+
+
+def test_the_next_arm_and_successive_halving():
+    arms = {n: dict(done=d, status=s) for n, d, s in
+            [('a', 2, 'running'), ('b', 1, 'running'), ('c', 1, 'running'), ('d', 0, 'stopped')]}
+    assert sweep.next_arm(arms) == 'b'  # fewest done, then the first named
+    arms['b']['done'] = arms['c']['done'] = 2
+    assert sweep.next_arm(arms) == 'a'
+    state = dict(arms={n: dict(done=2, status='running') for n in 'abcde'}, chunks=4, halved=[])
+    sweep.halve(state, dict(a=3.0, b=1.0, c=2.0, d=5.0, e=4.0))
+    assert {n: a['status'] for n, a in state['arms'].items()} == dict(
+        a='running', b='running', c='running', d='halved', e='halved')  # the better half, rounded up
+    sweep.halve(state, dict(a=3.0, b=1.0, c=2.0))
+    assert state['halved'] == [2] and state['arms']['a']['status'] == 'running'  # once per chunk count
+    state['arms']['a']['done'] = 3
+    sweep.halve(state, dict(a=3.0, b=1.0, c=2.0))  # not every running arm at 3 chunks yet
+    assert state['halved'] == [2]
+
+
+@pytest.mark.slow
+def test_stop_resume_and_clone_between_chunks(tmp_path):
+    path = write_sweep(tmp_path, {'a': {}, 'b': {'learning_rate': 1e-3}}, chunks=2)
+    folder = str(tmp_path / 'sweep')
+    state = sweep.new_sweep(path)
+    os.makedirs(folder)
+    sweep.run_chunk(state, 'a')
+    json.dump(state, open(os.path.join(folder, 'sweep.json'), 'w'))
+    assert run(folder, 'stop', 'b').returncode == 0
+    assert run(folder, 'clone', 'a', 'a_slow', '--learning_rate=1e-4').returncode == 0
+    r = run(folder)
+    assert r.returncode == 0, r.stderr
+    final = {row['arm']: row for row in tables(folder)[-1]}
+    assert final['b']['step'] == 0 and final['b']['status'] == 'stopped'
+    assert final['a']['step'] == 8 and final['a_slow']['step'] == 8 and final['a_slow']['status'] == 'done'
+    clone = log(os.path.join(folder, 'a_slow'))
+    assert clone[0]['lr_hidden'] < log(os.path.join(folder, 'a'))[0]['lr_hidden']  # its own settings
+    # ... and its parent's weights after the parent's first chunk: on the same first batch (the
+    # clone's data starts over) its loss is the trained one, not the parent's initial 5.7
+    parent = log(os.path.join(folder, 'a'))
+    assert clone[0]['loss'] < parent[0]['loss'] - 0.2 and abs(clone[0]['loss'] - parent[3]['loss']) < 0.2
+    assert run(folder, 'resume', 'b').returncode == 0
+    assert run(folder).returncode == 0
+    final = {row['arm']: row for row in tables(folder)[-1]}
+    assert final['b']['step'] == 8 and final['b']['status'] == 'done'
+
+
+@pytest.mark.slow
+def test_a_sweep_killed_mid_chunk_ends_with_the_uninterrupted_table(tmp_path):
+    arms = {'a': {}, 'b': {'learning_rate': 1e-3}}
+    assert run(write_sweep(tmp_path, arms, halving=True, name='straight')).returncode == 0
+    path = write_sweep(tmp_path, arms, halving=True, name='killed')
+    proc = subprocess.Popen([sys.executable, 'sweep.py', path], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    t0 = time.time()
+    while not os.path.exists(tmp_path / 'killed' / 'b' / 'ckpt_0000002'):  # b's first chunk done
+        assert proc.poll() is None and time.time() - t0 < 300
+        time.sleep(0.05)
+    time.sleep(1.0)  # into the next chunk
+    os.killpg(proc.pid, signal.SIGKILL)  # the sweep and its train.py
+    proc.wait()
+    r = run(path)
+    assert r.returncode == 0, r.stderr
+    last = lambda name: [{k: v for k, v in row.items()} for row in tables(tmp_path / name)[-1]]
+    assert last('killed') == last('straight')
+
+
+def test_bad_input_is_one_line_before_any_arm_starts(tmp_path):
+    r = run(write_sweep(tmp_path, {'ok': {}, 'typo': {'learning_rat': 1e-3}}))
+    assert r.returncode == 1 and r.stderr == "error: arm 'typo': unknown setting 'learning_rat'\n"
+    assert not os.path.exists(tmp_path / 'sweep' / 'ok')
+    folder = tmp_path / 'sweep'
+    os.makedirs(folder)
+    json.dump(sweep.new_sweep(write_sweep(tmp_path, {'a': {}})), open(folder / 'sweep.json', 'w'))
+    r = run(str(folder), 'clone', 'nope', 'new', '--learning_rate=1e-3')
+    assert r.returncode == 1 and r.stderr.count('\n') == 1 and "clone nope" in r.stderr
+    r = run(str(folder), 'clone', 'a', 'new', '--learnin_rate=1e-3')
+    assert r.returncode == 1 and r.stderr == "error: arm 'new': unknown setting 'learnin_rate'\n"
