@@ -73,7 +73,8 @@ def new_sweep(path):
         raise SystemExit(f"error: {path}: name arms or a grid; 0 < chunks <= max_steps")
     arms = {name: dict(args=arguments(name, o), done=0, status='running', parent=None)
             for name, o in arms.items()}
-    return dict(dir=spec['out_dir'], base=list(spec.get('base', [])), arms=arms,
+    # train.py runs in the repository: base's paths are relative to it, out_dir made absolute
+    return dict(dir=os.path.abspath(spec['out_dir']), base=list(spec.get('base', [])), arms=arms,
                 max_steps=spec['max_steps'], chunks=spec['chunks'],
                 halving=spec.get('halving', False), halved=[], commands=0)
 
@@ -142,7 +143,7 @@ def run_chunk(state, name):
     # a sweep killed between the chunk's last save and its own finds the chunk done
     if not saved or int(os.path.basename(saved[-1])[5:]) < end:
         cmd = [sys.executable, 'train.py', *state['base'], *arm['args'],
-               f'--out_dir={folder}', f'--max_steps={M}', f'--stop_after={end % M}',
+               f'--out_dir={folder}', f'--max_steps={M}', f'--stop_after={end % M}',  # 0: M
                '--sample_tokens=0', *start]
         r = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True)
