@@ -242,16 +242,21 @@ def torchrun(args):
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
+def one_process_and_two_ranks(tmp_path, common, **variants):
+    """The logs of one process, then of 2 ranks for each variant's extra arguments."""
+    one = str(tmp_path / 'one')
+    assert run([*common, f'--out_dir={one}']).returncode == 0
+    for name, extra in variants.items():
+        r = torchrun([*common, *extra, f'--out_dir={tmp_path / name}'])
+        assert r.returncode == 0, r.stderr
+    return [log(one)] + [log(tmp_path / name) for name in variants]
+
+
 @pytest.mark.slow
 def test_ddp_and_zero1_match_a_single_process(tmp_path):
     common = ['--max_steps=6', '--gradient_accumulation_steps=2']
-    one, two, zero = (str(tmp_path / n) for n in ('one', 'two', 'zero'))
-    assert run([*common, f'--out_dir={one}']).returncode == 0
-    r = torchrun([*common, f'--out_dir={two}'])
-    assert r.returncode == 0, r.stderr
-    r = torchrun([*common, f'--out_dir={zero}', '--zero1=True'])
-    assert r.returncode == 0, r.stderr
-    a, b, c = log(one), log(two), log(zero)
+    a, b, c = one_process_and_two_ranks(tmp_path, common, two=[], zero=['--zero1=True'])
+    zero = str(tmp_path / 'zero')
     assert len(a) == len(b) == len(c) == 6
     for x, y, z in zip(a, b, c):
         assert abs(x['loss'] - y['loss']) <= 1e-5 and abs(y['loss'] - z['loss']) <= 1e-5
@@ -267,13 +272,8 @@ def test_moe_under_ddp_and_fsdp_matches_a_single_process(tmp_path):
     (DDP would otherwise stop at the second step): 2 ranks equal one process to 1e-5, router losses
     included."""
     common = ['--max_steps=6', '--gradient_accumulation_steps=2', MOE]
-    one, two, sharded = (str(tmp_path / n) for n in ('one', 'two', 'fsdp'))
-    assert run([*common, f'--out_dir={one}']).returncode == 0
-    r = torchrun([*common, f'--out_dir={two}'])
-    assert r.returncode == 0, r.stderr
-    r = torchrun([*common, f'--out_dir={sharded}', '--fsdp=True'])
-    assert r.returncode == 0, r.stderr
-    for x, y, z in zip(log(one), log(two), log(sharded), strict=True):
+    logs = one_process_and_two_ranks(tmp_path, common, two=[], fsdp=['--fsdp=True'])
+    for x, y, z in zip(*logs, strict=True):
         for key in ('loss', 'loss_router', 'load_balance'):
             assert abs(x[key] - y[key]) <= 1e-5 * abs(x[key]) and abs(x[key] - z[key]) <= 1e-5 * abs(x[key])
         assert x['expert_load'] == y['expert_load'] == z['expert_load']
