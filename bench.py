@@ -12,7 +12,6 @@ import glob
 import json
 import os
 import platform
-import re
 import runpy
 import subprocess
 import sys
@@ -324,37 +323,25 @@ def bench_curve(steps=200):
         print(f"int8 path vs {vs:>31}: {max(d):.2e} (step {d.index(max(d))}); "
               f"at step 0 {d[0]:.2e}")
 
-def run_dir(out, arm):
-    return os.path.join(out, re.sub(r'\W+', '_', arm).strip('_').lower())
-
-
 @torch.no_grad()
-def bench_distill(out='out-distill'):
-    """SmolLM2-135M-Instruct made ternary, a train.py run per arm of sweeps/distill.py:
-    held-out loss (the offline corpus's last 10%), the share of the CE-only arm's gap to
-    the teacher closed, chat answers. Results go to out/results.json as they come."""
-    recipes = runpy.run_path(os.path.join(ROOT, 'sweeps', 'distill.py'))
-    arms = recipes['arms']
-    src, path = smollm2(), os.path.join(out, 'results.json')
+def bench_distill():
+    """SmolLM2-135M-Instruct made ternary: the sweep sweeps/distill.py (an arm per recipe,
+    trained side by side by sweep.py), then every arm's held-out loss (the offline corpus's
+    last 10%), the share of the CE-only arm's gap to the teacher closed, chat answers.
+    Scores go to the sweep's folder, results.json, as they come."""
+    spec = os.path.join(ROOT, 'sweeps', 'distill.py')
+    src, recipes = smollm2(), runpy.run_path(spec)
+    subprocess.run([sys.executable, 'sweep.py', spec], cwd=ROOT, check=True)
+    out = os.path.join(ROOT, recipes['out_dir'])
+    path, arms = os.path.join(out, 'results.json'), recipes['arms']
     enc = get_tokenizer(src)
     val, teacher = offline_corpus(enc)[1], Transformer.from_pretrained(src).eval()
     res = json.load(open(path)) if os.path.exists(path) else {}
     if 'teacher' not in res:  # scored once, like every arm
         res['teacher'] = dict(heldout(teacher, val, enc), time_s=0, tokens=0)
-    for arm in [a for a in arms if a not in res]:  # the arms not yet done
-        run = run_dir(out, arm)
-        settings = dict(recipes['shared'], init_from=src, tokenizer=src, out_dir=run)
-        settings.update(arms[arm])
-        uses_kd = 'kd' in settings.get('objectives', {})
-        settings.setdefault('teacher', src if uses_kd else '')
-        args = [f'--{k}={v}' if isinstance(v, str) else f'--{k}={v!r}'
-                for k, v in settings.items()]
-        cmd = [sys.executable, 'train.py'] + args
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode:
-            sys.exit(f"error: arm {arm!r} failed: {r.stderr.strip().splitlines()[-1:]}")
-        last = [json.loads(line) for line in open(os.path.join(run, 'log.jsonl'))][-1]
-        student = Transformer.from_pretrained(checkpoint.find(run)).eval()
+    for arm in [a for a in arms if a not in res]:  # the arms not yet scored
+        last = [json.loads(line) for line in open(os.path.join(out, arm, 'log.jsonl'))][-1]
+        student = Transformer.from_pretrained(checkpoint.find(os.path.join(out, arm))).eval()
         res[arm] = dict(heldout(student, val, enc), time_s=last['time_s'],
                         tokens=last['tokens'])
         with open(path, 'w') as f:
@@ -369,7 +356,7 @@ def bench_distill(out='out-distill'):
               f"{(ce_nats - r['nats']) / gap:10.0%} {r['tokens']:7d} "
               f"{r['time_s'] / 60:7.1f}")
     best = min((a for a in arms if a != 'CE only'), key=lambda a: res[a]['nats'])
-    for name, ckpt in [('teacher', src)] + [(a, run_dir(out, a)) for a in ('CE only', best)]:
+    for name, ckpt in [('teacher', src)] + [(a, os.path.join(out, a)) for a in ('CE only', best)]:
         for p in recipes['chat']:  # sample.py, greedy, ternary packed: answer, speed
             r = subprocess.run([sys.executable, 'sample.py', f'--ckpt={ckpt}',
                                 f'--prompt={p}', '--chat=True', '--temperature=0',

@@ -8,7 +8,8 @@ so that they all advance together and the first comparison comes early:
     python sweep.py DIR resume ARM    # ... let a stopped arm go on,
     python sweep.py DIR clone ARM NEW --learning_rate=1e-3   # ... or branch it
 
-A sweep file sets `out_dir`, `base` (the train.py arguments of every arm),
+A sweep file sets `out_dir`, `config` (a train.py config file, optional) and `base`
+(settings) for every arm,
 `max_steps`, `chunks`, `arms` ({name: {setting: value}}) or a `grid` ({setting:
 [values]}, an arm per combination), and `halving` (successive halving: each time every
 running arm has done as many chunks, the worse half by val loss stops). Each arm is a
@@ -31,6 +32,7 @@ import runpy
 import shutil
 import subprocess
 import sys
+import time
 
 import checkpoint
 
@@ -71,10 +73,12 @@ def new_sweep(path):
         arms['_'.join(f'{k}={v}' for k, v in combo.items())] = combo
     if not arms or not 0 < spec['chunks'] <= spec['max_steps']:
         raise SystemExit(f"error: {path}: name arms or a grid; 0 < chunks <= max_steps")
-    arms = {name: dict(args=arguments(name, o), done=0, status='running', parent=None)
-            for name, o in arms.items()}
+    arms = {name: dict(args=arguments(name, o), done=0, status='running', parent=None,
+                       seconds=0.0) for name, o in arms.items()}
     # train.py runs in the repository: base's paths are relative to it, out_dir made absolute
-    return dict(dir=os.path.abspath(spec['out_dir']), base=list(spec.get('base', [])), arms=arms,
+    config = [spec['config']] if spec.get('config') else []  # a train.py config file
+    base = config + arguments('base', spec.get('base', {}))
+    return dict(dir=os.path.abspath(spec['out_dir']), base=base, arms=arms,
                 max_steps=spec['max_steps'], chunks=spec['chunks'],
                 halving=spec.get('halving', False), halved=[], commands=0)
 
@@ -91,7 +95,7 @@ def command(state, words):
             raise SystemExit(f"error: clone {name} NEW --key=value ...: NEW is a new name")
         arguments(rest[0], dict.fromkeys(a[2:].partition('=')[0] for a in rest[1:]))
         args = arms[name]['args'] + rest[1:]  # later arguments win
-        arms[rest[0]] = dict(args=args, done=0, status='running', parent=name)
+        arms[rest[0]] = dict(args=args, done=0, status='running', parent=name, seconds=0.0)
     elif verb == 'stop':
         arms[name]['status'] = 'stopped'
     else:
@@ -145,8 +149,10 @@ def run_chunk(state, name):
         cmd = [sys.executable, 'train.py', *state['base'], *arm['args'],
                f'--out_dir={folder}', f'--max_steps={M}', f'--stop_after={end % M}',  # 0: M
                '--sample_tokens=0', *start]
+        started = time.time()
         r = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True)
+        arm['seconds'] += time.time() - started
         if r.returncode:
             arm['status'] = 'failed: ' + (r.stderr.strip().splitlines() or ['?'])[-1]
             return
@@ -166,19 +172,19 @@ def table(state):
                          tokens=last.get('tokens', 0), loss=last.get('loss'),
                          val_loss=vals[-1][1] if vals else None,
                          best_val=min(v for _, v in vals) if vals else None,
-                         status=arm['status'], curve=vals))
+                         minutes=arm['seconds'] / 60, status=arm['status'], curve=vals))
     return rows
 
 
 def report(state, rows):
     """The table on the console and in sweep.jsonl; the val curves in sweep.svg."""
     print(f"{'arm':>24} {'step':>6} {'tokens':>10} {'loss':>8} {'val':>8} "
-          f"{'best val':>8}  status")
+          f"{'best val':>8} {'minutes':>7}  status")
     for r in rows:
         cells = [f'{r[k]:8.4f}' if r[k] is not None else f"{'-':>8}"
                  for k in ('loss', 'val_loss', 'best_val')]
-        print(f"{r['arm']:>24} {r['step']:>6} {r['tokens']:>10,} {' '.join(cells)}  "
-              f"{r['status']}")
+        print(f"{r['arm']:>24} {r['step']:>6} {r['tokens']:>10,} {' '.join(cells)} "
+              f"{r['minutes']:7.1f}  {r['status']}")
     with open(os.path.join(state['dir'], 'sweep.jsonl'), 'a') as f:
         rows_without_curves = [{k: v for k, v in r.items() if k != 'curve'} for r in rows]
         f.write(json.dumps(rows_without_curves) + '\n')
