@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import arms as sweep_arms
 import sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +51,7 @@ def test_three_arms_in_four_chunks_equal_their_straight_runs_and_take_turns(tmp_
     assert r.returncode == 0, r.stderr
     for name, overrides in arms.items():
         straight = str(tmp_path / f'straight_{name}')
-        cmd = [sys.executable, 'train.py', *sweep.arguments(name, {**TINY, **overrides}), '--max_steps=8',
+        cmd = [sys.executable, 'train.py', *sweep_arms.arguments({**TINY, **overrides}), '--max_steps=8',
                '--sample_tokens=0', f'--out_dir={straight}']
         assert subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=600).returncode == 0
         a, b = log(straight), log(tmp_path / 'sweep' / name)
@@ -69,9 +70,14 @@ def test_three_arms_in_four_chunks_equal_their_straight_runs_and_take_turns(tmp_
 def test_the_next_arm_and_successive_halving():
     arms = {n: dict(done=d, status=s) for n, d, s in
             [('a', 2, 'running'), ('b', 1, 'running'), ('c', 1, 'running'), ('d', 0, 'stopped')]}
-    assert sweep.next_arm(arms) == 'b'  # fewest done, then the first named
+    state = dict(arms=arms, halving=False)
+    assert sweep.next_arm(state, busy=()) == 'b'  # fewest done, then the first named
+    assert sweep.next_arm(state, busy={'b'}) == 'c'  # not one in flight
+    assert sweep.next_arm(state, busy={'b', 'c'}) == 'a'
+    state['halving'] = True  # ... but under halving no arm gets a chunk ahead of one in flight
+    assert sweep.next_arm(state, busy={'b', 'c'}) is None
     arms['b']['done'] = arms['c']['done'] = 2
-    assert sweep.next_arm(arms) == 'a'
+    assert sweep.next_arm(state, busy=()) == 'a'
     state = dict(arms={n: dict(done=2, status='running') for n in 'abcde'}, chunks=4, halved=[])
     sweep.halve(state, dict(a=3.0, b=1.0, c=2.0, d=5.0, e=4.0))
     assert {n: a['status'] for n, a in state['arms'].items()} == dict(
@@ -89,7 +95,7 @@ def test_stop_resume_and_clone_between_chunks(tmp_path):
     folder = str(tmp_path / 'sweep')
     state = sweep.new_sweep(path)
     os.makedirs(folder)
-    sweep.run_chunk(state, 'a')
+    sweep.finish_chunk(state, 'a', sweep.start_chunk(state, 'a', env=None).wait())
     json.dump(state, open(os.path.join(folder, 'sweep.json'), 'w'))
     assert run(folder, 'stop', 'b').returncode == 0
     assert run(folder, 'clone', 'a', 'a_slow', '--learning_rate=1e-4').returncode == 0
@@ -130,14 +136,43 @@ def test_a_sweep_killed_mid_chunk_ends_with_the_uninterrupted_table(tmp_path):
     assert last('killed') == last('straight')
 
 
+@pytest.mark.slow
+def test_two_workers_train_two_arms_at_once_to_the_same_table(tmp_path):
+    arms = {'a': {}, 'b': {'learning_rate': 1e-3}, 'c': {'learning_rate': 1e-2}}
+    assert run(write_sweep(tmp_path, arms, chunks=2, name='one')).returncode == 0
+    proc = subprocess.Popen([sys.executable, 'sweep.py', write_sweep(tmp_path, arms, chunks=2, name='two'),
+                             '--workers=2'], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    children = f'/proc/{proc.pid}/task/{proc.pid}/children'
+    at_once = 0
+    while proc.poll() is None:
+        try:
+            at_once = max(at_once, len(open(children).read().split()))
+        except FileNotFoundError:  # the sweep has just ended
+            pass
+        time.sleep(0.05)
+    assert proc.returncode == 0, proc.stderr.read()
+    assert at_once == 2  # two train.py processes, never more
+    one, two = tables(tmp_path / 'one'), tables(tmp_path / 'two')
+    assert len(two) <= len(one) == 6  # a table after each chunk, or after chunks that end together
+    for x, y in zip(one[-1], two[-1]):  # each worker has one core: the same losses to rounding
+        assert (x['arm'], x['step'], x['tokens'], x['status']) == (y['arm'], y['step'], y['tokens'], y['status'])
+        assert x['val_loss'] == pytest.approx(y['val_loss'], rel=1e-5)
+        assert x['loss'] == pytest.approx(y['loss'], rel=1e-5)
+
+
 def test_bad_input_is_one_line_before_any_arm_starts(tmp_path):
     r = run(write_sweep(tmp_path, {'ok': {}, 'typo': {'learning_rat': 1e-3}}))
-    assert r.returncode == 1 and r.stderr == "error: arm 'typo': unknown setting 'learning_rat'\n"
+    assert r.returncode == 1
+    assert r.stderr == "error: arm 'typo': unknown config key 'learning_rat'; did you mean --learning_rate?\n"
     assert not os.path.exists(tmp_path / 'sweep' / 'ok')
+    r = run(write_sweep(tmp_path, {'ok': {}, 'fast': {'learning_rate': 'fast'}}))  # checked as train.py checks
+    assert r.returncode == 1 and r.stderr == "error: arm 'fast': learning_rate must be float, got 'fast' (str)\n"
+    r = run(write_sweep(tmp_path, {'ok': {}}), '--workers=0')
+    assert r.returncode == 1 and r.stderr.count('\n') == 1 and '--workers=N' in r.stderr
     folder = tmp_path / 'sweep'
     os.makedirs(folder)
     json.dump(sweep.new_sweep(write_sweep(tmp_path, {'a': {}})), open(folder / 'sweep.json', 'w'))
     r = run(str(folder), 'clone', 'nope', 'new', '--learning_rate=1e-3')
     assert r.returncode == 1 and r.stderr.count('\n') == 1 and "clone nope" in r.stderr
     r = run(str(folder), 'clone', 'a', 'new', '--learnin_rate=1e-3')
-    assert r.returncode == 1 and r.stderr == "error: arm 'new': unknown setting 'learnin_rate'\n"
+    assert r.returncode == 1 and r.stderr.startswith("error: arm 'new': unknown config key 'learnin_rate'")

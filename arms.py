@@ -1,0 +1,120 @@
+"""
+The arms of a sweep (sweep.py): read from a sweep file, each a train.py run's settings,
+checked before any arm starts; and the stop / resume / clone commands that change them.
+
+A sweep file sets `out_dir`; `config` (a train.py config file, optional) and `base`
+({setting: value}) for every arm; `max_steps` and `chunks`; `arms` ({name: {setting:
+value}}) or a `grid` ({setting: [values]}, an arm per combination); and `halving`.
+"""
+import copy
+import itertools
+import json
+import os
+import runpy
+
+from configurator import configure
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def defaults():
+    """train.py's settings and their defaults: its text run up to where it collects them."""
+    with open(os.path.join(ROOT, 'train.py')) as f:
+        text = f.read()
+    scope = {}
+    exec(text[:text.index('\nconfig = ')], scope)
+    return {k: v for k, v in scope.items() if k not in scope['_imported'] and k[0] != '_'}
+
+
+def checked(arm, args):
+    """train.py's arguments `args`, checked as train.py checks them; an error names the arm."""
+    if not arm or os.sep in arm or arm.startswith('.'):
+        raise SystemExit(f"error: arm {arm!r}: an arm's name is its folder's")
+    try:
+        configure(defaults(), args)
+    except SystemExit as e:
+        raise SystemExit(f"error: arm {arm!r}: {str(e).removeprefix('error: ')}") from None
+    return args
+
+
+def arguments(overrides):
+    """{setting: value} as train.py's --key=value arguments."""
+    return [f'--{k}={v}' if isinstance(v, str) else f'--{k}={v!r}'
+            for k, v in overrides.items()]
+
+
+def new_sweep(path):
+    """The state of the sweep a sweep file describes, every arm's arguments checked."""
+    spec = runpy.run_path(path)
+    arms = spec.get('arms') or {}
+    grid = spec.get('grid') or {}
+    for values in itertools.product(*grid.values()) if grid else ():
+        combo = dict(zip(grid, values))
+        arms['_'.join(f'{k}={v}' for k, v in combo.items())] = combo
+    if not arms or not 0 < spec['chunks'] <= spec['max_steps']:
+        raise SystemExit(f"error: {path}: name arms or a grid; 0 < chunks <= max_steps")
+    # train.py runs in the repository: paths are relative to it, out_dir made absolute
+    config = [spec['config']] if spec.get('config') else []
+    base = checked('base', config + arguments(spec.get('base', {})))
+    arms = {name: dict(args=arguments(o), done=0, status='running', parent=None, seconds=0.0)
+            for name, o in arms.items()}
+    for name, arm in arms.items():
+        checked(name, base + arm['args'])
+    return dict(dir=os.path.abspath(spec['out_dir']), base=base, arms=arms,
+                max_steps=spec['max_steps'], chunks=spec['chunks'],
+                halving=spec.get('halving', False), halved=[], commands=0)
+
+
+def command(state, words):
+    """Apply one control command (stop, resume, clone) to the state."""
+    verb, name, rest = words[0], words[1], words[2:]
+    arms = state['arms']
+    if verb not in ('stop', 'resume', 'clone') or name not in arms:
+        raise SystemExit(f"error: {verb} {name}: choose stop, resume or clone, "
+                         f"and an arm among {sorted(arms)}")
+    if verb == 'clone':
+        if not rest or rest[0] in arms or not all(a.startswith('--') for a in rest[1:]):
+            raise SystemExit(f"error: clone {name} NEW --key=value ...: NEW is a new name")
+        args = arms[name]['args'] + rest[1:]  # later arguments win
+        checked(rest[0], state['base'] + args)
+        arms[rest[0]] = dict(args=args, done=0, status='running', parent=name, seconds=0.0)
+    elif verb == 'stop':
+        arms[name]['status'] = 'stopped'
+    else:
+        finished = arms[name]['done'] == state['chunks']
+        arms[name]['status'] = 'done' if finished else 'running'
+
+
+def apply_commands(state):
+    """The commands of DIR/control.jsonl that the state has not seen yet."""
+    path = os.path.join(state['dir'], 'control.jsonl')
+    lines = open(path).read().splitlines() if os.path.exists(path) else []
+    for line in lines[state['commands']:]:
+        command(state, json.loads(line))
+    state['commands'] = len(lines)
+
+
+def queue_command(state, words):
+    """Check a command now, against the state as the sweep will see it, and queue it in
+    DIR/control.jsonl for the sweep to apply before its next chunk."""
+    ahead = copy.deepcopy(state)  # with the queued commands applied
+    apply_commands(ahead)
+    command(ahead, words)
+    with open(os.path.join(state['dir'], 'control.jsonl'), 'a') as f:
+        f.write(json.dumps(words) + '\n')
+
+
+def table(state):
+    """One row per arm from its log: steps, tokens, train and val loss, best val."""
+    rows = []
+    for name, arm in state['arms'].items():
+        path = os.path.join(state['dir'], name, 'log.jsonl')
+        recs = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+        vals = [(r['tokens'], r['val_loss']) for r in recs if 'val_loss' in r]
+        last = recs[-1] if recs else {}
+        rows.append(dict(arm=name, step=last.get('step', 0),
+                         tokens=last.get('tokens', 0), loss=last.get('loss'),
+                         val_loss=vals[-1][1] if vals else None,
+                         best_val=min(v for _, v in vals) if vals else None,
+                         minutes=arm['seconds'] / 60, status=arm['status'], curve=vals))
+    return rows
