@@ -325,24 +325,27 @@ def bench_curve(steps=200):
 
 @torch.no_grad()
 def bench_distill():
-    """SmolLM2-135M-Instruct made ternary: the sweep sweeps/distill.py (an arm per recipe,
-    trained side by side by sweep.py), then every arm's held-out loss (the offline corpus's
-    last 10%), the share of the CE-only arm's gap to the teacher closed, chat answers.
-    Scores go to the sweep's folder, results.json, as they come."""
+    """SmolLM2-135M-Instruct made ternary: the sweep sweeps/distill.py (an arm per
+    recipe, trained side by side by sweep.py), then every arm's held-out loss (the
+    offline corpus's last 10%), the share of the CE-only arm's gap to the teacher
+    closed, chat answers. Scores go to the sweep's folder, results.json, as they come."""
     spec = os.path.join(ROOT, 'sweeps', 'distill.py')
     src, recipes = smollm2(), runpy.run_path(spec)
     subprocess.run([sys.executable, 'sweep.py', spec], cwd=ROOT, check=True)
     out = os.path.join(ROOT, recipes['out_dir'])
     path, arms = os.path.join(out, 'results.json'), recipes['arms']
+    with open(os.path.join(out, 'sweep.jsonl')) as f:  # each arm's wall time, all chunks
+        minutes = {row['arm']: row['minutes'] for row in json.loads(f.readlines()[-1])}
     enc = get_tokenizer(src)
     val, teacher = offline_corpus(enc)[1], Transformer.from_pretrained(src).eval()
     res = json.load(open(path)) if os.path.exists(path) else {}
     if 'teacher' not in res:  # scored once, like every arm
         res['teacher'] = dict(heldout(teacher, val, enc), time_s=0, tokens=0)
     for arm in [a for a in arms if a not in res]:  # the arms not yet scored
-        last = [json.loads(line) for line in open(os.path.join(out, arm, 'log.jsonl'))][-1]
-        student = Transformer.from_pretrained(checkpoint.find(os.path.join(out, arm))).eval()
-        res[arm] = dict(heldout(student, val, enc), time_s=last['time_s'],
+        run = os.path.join(out, arm)
+        last = [json.loads(line) for line in open(os.path.join(run, 'log.jsonl'))][-1]
+        student = Transformer.from_pretrained(checkpoint.find(run)).eval()
+        res[arm] = dict(heldout(student, val, enc), time_s=minutes[arm] * 60,
                         tokens=last['tokens'])
         with open(path, 'w') as f:
             json.dump(res, f, indent=1)
@@ -356,7 +359,8 @@ def bench_distill():
               f"{(ce_nats - r['nats']) / gap:10.0%} {r['tokens']:7d} "
               f"{r['time_s'] / 60:7.1f}")
     best = min((a for a in arms if a != 'CE only'), key=lambda a: res[a]['nats'])
-    for name, ckpt in [('teacher', src)] + [(a, os.path.join(out, a)) for a in ('CE only', best)]:
+    runs = [(a, os.path.join(out, a)) for a in ('CE only', best)]
+    for name, ckpt in [('teacher', src)] + runs:
         for p in recipes['chat']:  # sample.py, greedy, ternary packed: answer, speed
             r = subprocess.run([sys.executable, 'sample.py', f'--ckpt={ckpt}',
                                 f'--prompt={p}', '--chat=True', '--temperature=0',

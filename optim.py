@@ -190,28 +190,25 @@ def lr_range_test(train_step, steps=100, lo=1e-8, hi=1.0):
 
 
 def write_svg(path, curves, title, mark=None, W=560, H=320):
-    """A line plot in SVG: curves {label: (xs, ys)}, one colour each (named on the right
-    when there are several), and a red vertical line at x = mark."""
+    """A line plot: curves {label: (xs, ys)}, one colour each with its label on the
+    right, and a red vertical line at x = mark."""
     xs = [x for cx, _ in curves.values() for x in cx]
     ys = [y for _, cy in curves.values() for y in cy]
-    right = W - 20 if len(curves) == 1 else W - 170
-    px = lambda x: 50 + (x - min(xs)) / (max(xs) - min(xs) or 1) * (right - 50)
+    px = lambda x: 50 + (x - min(xs)) / (max(xs) - min(xs) or 1) * (W - 220)
     py = lambda y: H - 30 - (y - min(ys)) / (max(ys) - min(ys) or 1) * (H - 60)
-    colors = ('black', 'blue', 'green', 'orange', 'purple', 'brown', 'gray', 'olive')
-    parts = [f'<text x="50" y="15" font-size="11">{title}</text>']
+    parts = [f'<text x="50" y="15">{title}</text>']
     for i, (label, (cx, cy)) in enumerate(curves.items()):
-        color = colors[i % len(colors)]
+        color = ('black', 'blue', 'green', 'orange', 'purple', 'brown', 'gray')[i % 7]
         points = ' '.join(f'{px(x):.1f},{py(y):.1f}' for x, y in zip(cx, cy))
-        parts.append(f'<polyline fill="none" stroke="{color}" points="{points}"/>')
-        if len(curves) > 1:
-            parts.append(f'<text x="{right + 10}" y="{30 + 14 * i}" font-size="11" '
-                         f'fill="{color}">{label}</text>')
+        parts.append(f'<polyline fill="none" stroke="{color}" points="{points}"/>'
+                     f'<text x="{W - 160}" y="{30 + 14 * i}" fill="{color}">{label}</text>')
     if mark is not None:
-        parts.append(f'<line x1="{px(mark):.1f}" x2="{px(mark):.1f}" y1="20" y2="{H - 30}" '
-                     'stroke="red"/>')
+        x = f'{px(mark):.1f}'
+        parts.append(f'<line x1="{x}" x2="{x}" y1="20" y2="{H - 30}" stroke="red"/>')
     with open(path, 'w') as f:
-        f.write(f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}">'
-                '<rect width="100%" height="100%" fill="white"/>' + ''.join(parts) + '</svg>')
+        f.write(f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
+                'font-size="11"><rect width="100%" height="100%" fill="white"/>'
+                + ''.join(parts) + '</svg>')
 
 
 def find_lr(train_step, out_dir, model, verbose=True):
@@ -228,10 +225,9 @@ def find_lr(train_step, out_dir, model, verbose=True):
     model.load_state_dict(saved)
     show(len(tried), last=True)
     if verbose:
-        log_lrs = [math.log10(lr) for lr in tried]
-        clipped = [min(y, 4 * min(losses)) for y in losses]
-        write_svg(os.path.join(out_dir, 'lr_find.svg'), {'loss': (log_lrs, clipped)},
-                  f'smoothed loss vs LR from {tried[0]:.0e} to {tried[-1]:.0e} (log scale); '
+        curve = ([math.log10(lr) for lr in tried], [min(y, 4 * min(losses)) for y in losses])
+        write_svg(os.path.join(out_dir, 'lr_find.svg'), {'smoothed loss': curve},
+                  f'smoothed loss vs log10 LR, {tried[0]:.0e} to {tried[-1]:.0e}; '
                   f'red: suggested {found:.1e}', mark=math.log10(found))
         print(f"lr_find: suggested learning_rate {found:.2e} (steepest descent); "
               f"curve in {out_dir}/lr_find.svg")

@@ -39,6 +39,7 @@ from objectives import (BaseTeacher, LocalTeacher, ObjectiveManager, RemoteTeach
                         mask_token)
 from optim import (SCHEDULES, ZClip, clip_gradients, drop_weight_decay, find_lr, fit_batch,
                    lr_factor, make_optimizers, optimizer_step, param_groups, remix, set_lr)
+from remote import Uploader, download_latest
 from rl import Rollouts
 from tokenizer import eos_id, run_tokenizer
 
@@ -47,13 +48,15 @@ _imported = set(globals())  # everything defined below, up to the ruler, is a se
 # default settings: a tiny ternary model on the offline corpus, trained on the CPU
 # I/O
 out_dir = 'out'
-# 'scratch', 'resume' (out_dir's last checkpoint), a run's folder, an HF dir or hub id
+# 'scratch', 'resume' (out_dir's last checkpoint), a run's folder, an HF dir or hub id,
+# or a storage URL such as s3://bucket/run (its newest complete checkpoint, resumed)
 init_from = 'scratch'
 eval_interval = 125    # evaluate on val every this many optimizer steps (and at the end)
 eval_iters = 20        # batches per evaluation
 log_interval = 10
 ckpt_interval = 0      # also save every this many steps (0: at improvements, the end)
 keep_last = 2          # complete checkpoints to keep, besides the best one
+upload_to = ''         # also upload each checkpoint here, in the background (remote.py)
 patience = 0           # stop after this many evals without improvement (0: never)
 min_delta = 0.0        # ... an improvement being a val loss lower by more than this
 sample_tokens = 300    # printed at the end of training; 0 to skip
@@ -183,6 +186,13 @@ if ptdtype != torch.float32:
 torch.manual_seed(seed + rank)  # e.g. diffusion's masks (batches have seeds of their own)
 os.makedirs(out_dir, exist_ok=True)
 commit = checkpoint.git_commit()  # saved with every checkpoint
+uploader = Uploader(upload_to) if upload_to and master else None  # checked now
+if '://' in init_from:  # a storage URL: its newest complete checkpoint, then a resume
+    if local_rank == 0:
+        download_latest(init_from, out_dir)
+    if ddp:
+        dist.barrier()
+    init_from = 'resume'
 
 
 def located(src):
@@ -465,6 +475,8 @@ def save_checkpoint(step, data_state):
                                       alpha=lora_alpha, targets=targets, base=base)
         failed[0] = checkpoint.save(out_dir, step, write, state, tokenizer_file,
                                     keep_last, best_step)
+        if uploader and not failed[0]:
+            uploader.submit(out_dir, step, best_step)
     if ddp:  # every rank learns whether rank 0 failed: none waits in a collective
         dist.broadcast_object_list(failed, src=0)
     if failed[0]:
@@ -602,6 +614,8 @@ if (master or fsdp) and sample_tokens:
         text = 'The ' + complete(raw_model, enc, ['The '], sample_tokens, 0.6, 50)[0]
     if master:
         print('-' * 40 + '\n' + text + '\n' + '-' * 40)
+if uploader:
+    uploader.close()  # waits for the last upload
 if ddp:
     dist.destroy_process_group()
     # gloo threads free the last collectives' tensors under the GIL; exiting first aborts
