@@ -5,6 +5,7 @@ bench.py train    # a training step: ours, the fake-quant reference, fp32, trans
 bench.py moe      # a mixture-of-experts training step against top_k and n_experts
 bench.py curve    # 200 training steps, int8 path vs fake-quant reference (minutes)
 bench.py distill  # SmolLM2-135M-Instruct made ternary by train.py, per recipe (~1.5 h)
+bench.py upload   # a training step while checkpoints upload to a throttled S3 server
 
 Weights cycle over enough matrices to overflow the last-level cache, as decoding reads every
 weight from memory once a token ("hot": one matrix, in cache). Best of rounds."""
@@ -368,9 +369,32 @@ def bench_distill():
             print(f"[{name}] {p}\n{r.stdout.strip() or r.stderr.strip()}")
 
 
+def bench_upload(steps=100, rate=1 << 20):
+    """The default model's median step time (steps that save excluded), a checkpoint every
+    10 steps uploading to moto's S3 server through a proxy throttled to `rate` bytes/s (so
+    that an upload is always in flight), against the same run without uploads."""
+    import s3server
+    process, proxy, env = s3server.start()
+    proxy.rate = rate
+    medians = []
+    for upload in ([], ['--upload_to=s3://runs/bench']):
+        with tempfile.TemporaryDirectory() as out:
+            cmd = [sys.executable, 'train.py', f'--max_steps={steps}', '--log_interval=1',
+                   '--ckpt_interval=10', '--sample_tokens=0', f'--out_dir={out}', *upload]
+            subprocess.run(cmd, env={**os.environ, **env}, check=True, capture_output=True)
+            recs = [json.loads(line) for line in open(os.path.join(out, 'log.jsonl'))]
+        times = sorted(b['time_s'] - a['time_s'] for a, b in zip(recs, recs[1:])
+                       if a['step'] % 10 and 'val_loss' not in b)
+        medians.append(times[len(times) // 2])
+    process.terminate()
+    print(f"\ndefault model, median step: {medians[0] * 1e3:.1f} ms; uploading at "
+          f"{rate / 2**20:.1f} MiB/s: {medians[1] * 1e3:.1f} ms (x{medians[1] / medians[0]:.3f})")
+
+
 if __name__ == '__main__':
     sections = dict(kernels=bench_matmul, decode=bench_decode, train=bench_train,
-                    moe=bench_moe, curve=bench_curve, distill=bench_distill)
+                    moe=bench_moe, curve=bench_curve, distill=bench_distill,
+                    upload=bench_upload)
     which = sys.argv[1:] or list(sections)
     if any(s not in sections for s in which):
         sys.exit(f"error: unknown section in {which}; choose from {list(sections)}")
