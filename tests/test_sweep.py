@@ -89,6 +89,19 @@ def test_the_next_arm_and_successive_halving():
     assert state['halved'] == [2]
 
 
+def test_each_worker_gets_a_gpu_or_a_share_of_the_cores(monkeypatch):
+    monkeypatch.delenv('OMP_NUM_THREADS', raising=False)
+    monkeypatch.delenv('CUDA_VISIBLE_DEVICES', raising=False)
+    monkeypatch.setattr(sweep.torch.cuda, 'device_count', lambda: 0)
+    assert sweep.worker_env(1, workers=2)['OMP_NUM_THREADS'] == str(max(1, os.cpu_count() // 2))
+    assert 'OMP_NUM_THREADS' not in sweep.worker_env(0, workers=1)  # one worker: torch's own default
+    monkeypatch.setattr(sweep.torch.cuda, 'device_count', lambda: 2)
+    assert [sweep.worker_env(s, 3)['CUDA_VISIBLE_DEVICES'] for s in range(3)] == ['0', '1', '0']
+    monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '3,5')  # the GPUs the sweep was given
+    assert [sweep.worker_env(s, 2)['CUDA_VISIBLE_DEVICES'] for s in range(2)] == ['3', '5']
+    assert 'OMP_NUM_THREADS' not in sweep.worker_env(0, 2)
+
+
 @pytest.mark.slow
 def test_stop_resume_and_clone_between_chunks(tmp_path):
     path = write_sweep(tmp_path, {'a': {}, 'b': {'learning_rate': 1e-3}}, chunks=2)
