@@ -7,6 +7,7 @@ A sweep file sets `out_dir`; `config` (a train.py config file, optional) and `ba
 value}}) or a `grid` ({setting: [values]}, an arm per combination); and `halving`.
 """
 import copy
+import functools
 import itertools
 import json
 import os
@@ -17,6 +18,7 @@ from configurator import configure
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
+@functools.cache  # train.py's text is run once per sweep, not once per arm
 def defaults():
     """train.py's settings and their defaults: its text run up to where it collects them."""
     with open(os.path.join(ROOT, 'train.py')) as f:
@@ -31,7 +33,7 @@ def checked(arm, args):
     if not arm or os.sep in arm or arm.startswith('.'):
         raise SystemExit(f"error: arm {arm!r}: an arm's name is its folder's")
     try:
-        configure(defaults(), args)
+        configure(dict(defaults()), args)  # a copy: configure fills it in
     except SystemExit as e:
         raise SystemExit(f"error: arm {arm!r}: {str(e).removeprefix('error: ')}") from None
     return args
