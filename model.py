@@ -40,7 +40,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from bitlinear import SubLN, add_lrc, calibrate_subln, convert_to_bitnet, freeze
-from moe import MoE, upcycle
+from moe import MOE_KEYS, MoE, moe_from_hf, upcycle
 
 
 @dataclass
@@ -291,7 +291,9 @@ class Transformer(nn.Module):
         dict filled in place: feats['hidden'] (a list) gets every block's output,
         feats['qkv'] (a list) gets the q, k and v projections of block
         feats['qkv_layer'], feats['router'] (a list) gets every MoE layer's router
-        logits (B * T, n_experts). `valid` (B, pos + T), True at real tokens, keeps the
+        logits (B * T, n_experts). feats['inputs'] (a list), when given, is each block's
+        input in place of the previous block's output: teacher forcing, for block-wise
+        reconstruction. `valid` (B, pos + T), True at real tokens, keeps the
         padding of left-padded rows out of every causal attention."""
         B, T = idx.shape
         if pos + T > self.config.max_seq_len:
@@ -302,6 +304,8 @@ class Transformer(nn.Module):
         feats = {} if feats is None else feats
         mask = None if valid is None else padding_mask(valid, pos, T)
         for i, block in enumerate(self.layers):
+            if 'inputs' in feats:
+                x = feats['inputs'][i]
             qkv = feats['qkv'] if i == feats.get('qkv_layer') else None
             layer_cache = None if cache is None else cache[i]
             # a new list per block: FSDP rebuilds any argument that holds tensors
@@ -411,28 +415,6 @@ HF_KEYS = dict(vocab_size='vocab_size', n_layer='num_hidden_layers',
                tie_embeddings='tie_word_embeddings', act='hidden_act',
                attention_bias='attention_bias', lrc_rank='lrc_rank',
                bos_token_id='bos_token_id', eos_token_id='eos_token_id')
-
-
-MOE_KEYS = dict(n_experts='num_experts', top_k='num_experts_per_tok',
-                norm_topk_prob='norm_topk_prob', moe_intermediate_size='moe_intermediate_size')
-
-
-def moe_from_hf(hf):
-    """The MoE settings of a Qwen2-MoE config.json (or of our ternary MoE's), refusing
-    what our MoE lacks."""
-    lacks = {'qkv_bias': hf.get('qkv_bias'), 'a sliding window': hf.get('use_sliding_window'),
-             'dense layers': hf.get('mlp_only_layers') or hf.get('decoder_sparse_step', 1) > 1}
-    if any(lacks.values()):
-        raise ValueError(f"Qwen2-MoE with {[k for k, v in lacks.items() if v]} is not "
-                         "supported: every layer here is MoE, with full attention, no bias")
-    kw = {ours: hf[theirs] for ours, theirs in MOE_KEYS.items() if theirs in hf}
-    kw.setdefault('norm_topk_prob', False)  # Qwen2-MoE's default
-    shared = hf.get('shared_expert_intermediate_size', 0)
-    if shared % kw['moe_intermediate_size']:
-        raise ValueError(f"shared_expert_intermediate_size {shared} is no multiple of "
-                         f"moe_intermediate_size {kw['moe_intermediate_size']}")
-    kw['n_shared_experts'] = shared // kw['moe_intermediate_size']
-    return kw
 
 
 def config_from_hf(hf):

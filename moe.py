@@ -24,7 +24,8 @@ model: each expert a copy of its MLP, the router new.
 
 This file needs only torch. `expert(hidden)` builds one expert with that hidden size
 (model.py: a gated MLP); `cfg` has n_embd, n_experts, top_k, norm_topk_prob,
-n_shared_experts and moe_intermediate_size.
+n_shared_experts and moe_intermediate_size; `moe_from_hf` reads them from a Qwen2-MoE
+config.json.
 """
 import copy
 
@@ -88,3 +89,26 @@ def upcycle(mlp, cfg):
     moe = MoE(cfg, lambda hidden: copy.deepcopy(mlp))
     nn.init.normal_(moe.gate.weight, std=0.02)
     return moe
+
+
+# a Qwen2-MoE config.json's names for the settings above (model.py reads and writes them)
+MOE_KEYS = dict(n_experts='num_experts', top_k='num_experts_per_tok',
+                norm_topk_prob='norm_topk_prob', moe_intermediate_size='moe_intermediate_size')
+
+
+def moe_from_hf(hf):
+    """The MoE settings of a Qwen2-MoE config.json (or of our ternary MoE's), refusing
+    what our MoE lacks."""
+    lacks = {'qkv_bias': hf.get('qkv_bias'), 'a sliding window': hf.get('use_sliding_window'),
+             'dense layers': hf.get('mlp_only_layers') or hf.get('decoder_sparse_step', 1) > 1}
+    if any(lacks.values()):
+        raise ValueError(f"Qwen2-MoE with {[k for k, v in lacks.items() if v]} is not "
+                         "supported: every layer here is MoE, with full attention, no bias")
+    kw = {ours: hf[theirs] for ours, theirs in MOE_KEYS.items() if theirs in hf}
+    kw.setdefault('norm_topk_prob', False)  # Qwen2-MoE's default
+    shared = hf.get('shared_expert_intermediate_size', 0)
+    if shared % kw['moe_intermediate_size']:
+        raise ValueError(f"shared_expert_intermediate_size {shared} is no multiple of "
+                         f"moe_intermediate_size {kw['moe_intermediate_size']}")
+    kw['n_shared_experts'] = shared // kw['moe_intermediate_size']
+    return kw

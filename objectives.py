@@ -1,5 +1,5 @@
 """
-Training objectives, the curriculum that weighs them, and the teachers they learn from.
+Training objectives and the curriculum that weighs them (the teachers are in teachers.py).
 
 A ternary model trained from its fp self by cross-entropy alone loses quality; BitDistill
 (Wu et al. 2025) recovers it by distilling from the fp model along a curriculum:
@@ -19,6 +19,8 @@ The losses:
 - `diffusion`  masked-diffusion LM (MDLM, Sahoo et al. 2024; LLaDA, Nie et al. 2025)
 - `lrc`        low-rank correction: the student's block outputs
                regress onto the teacher's
+- `block`      block-wise reconstruction (EfficientQAT's Block-AP, Chen et al. 2024):
+               each block, fed the fp block's input, learns to give its output
 - `dpo`        direct preference optimisation (Rafailov et al. 2023),
                the teacher as reference
 - `grpo`       group relative policy optimisation (Shao et al. 2024, DeepSeekMath §4) on
@@ -27,15 +29,13 @@ The losses:
                balance, z-loss, the MSE of the mean squared probabilities (moe.py);
                on by default for an MoE student
 
-This file needs only torch (and requests for the remote teacher) and a model called like
-model.py's Transformer: model(idx, causal=..., feats=...) returns the logits and fills
-`feats`. Both teachers answer teacher(x, y, hidden, qkv_layer) with a dict: the local
-one its logits and features, the remote one its top-k logprobs.
+This file needs only torch and a model called like model.py's Transformer:
+model(idx, causal=..., feats=...) returns the logits and fills `feats`. A teacher
+(teachers.py) answers teacher(x, y, hidden, qkv_layer) with a dict: a local one
+(`local = True`) its logits and features, a remote one its top-k logprobs.
 """
 import math
-import time
 
-import requests
 import torch
 import torch.nn.functional as F
 
@@ -196,6 +196,34 @@ class LRCReconstruction(Objective):
         pairs = zip(s['hidden'], t['hidden'])
         total = sum(F.mse_loss(h_s.float(), h_t.float()) for h_s, h_t in pairs)
         return total / len(s['hidden'])
+
+
+class BlockReconstruction(Objective):
+    """Block-wise reconstruction: every student block gets the fp teacher's input to that
+    block (teacher forcing) and learns to give the teacher block's output, so each block
+    learns apart from the others, all at once, with a target for every token and channel
+    instead of one label per token (EfficientQAT's Block-AP, Chen et al. 2024). A block's
+    loss is its MSE relative to the mean square of what the teacher block adds to its
+    input, so that every block counts alike whatever its scale; the loss averages the
+    blocks. The teacher must be local, with the student's depth and width (its own fp
+    weights)."""
+    needs_teacher = own_forward = True
+
+    def bind(self, n_layer, n_layer_teacher):
+        if n_layer != n_layer_teacher:
+            raise ValueError(f"block needs a teacher of the student's depth ({n_layer} "
+                             f"blocks, not {n_layer_teacher}): its own fp weights")
+
+    def run(self, model, teacher, batch):
+        x = batch['x']
+        t = teacher(x, batch['y'], inputs=True)
+        feats = {'inputs': t['inputs'], 'hidden': []}
+        model(x, feats=feats)
+        total = 0
+        for s_out, t_in, t_out in zip(feats['hidden'], t['inputs'], t['hidden']):
+            change = (t_out.float() - t_in.float()).pow(2).mean()
+            total = total + F.mse_loss(s_out.float(), t_out.float()) / change
+        return total / len(feats['hidden'])
 
 
 def mask_token(enc, vocab_size):
@@ -418,7 +446,7 @@ class RouterLoss(Objective):
 
 
 OBJECTIVES = {'ce': CrossEntropy, 'kd': LogitsKD, 'attn': AttentionRelationKD,
-              'hidden': HiddenStateKD, 'lrc': LRCReconstruction,
+              'hidden': HiddenStateKD, 'lrc': LRCReconstruction, 'block': BlockReconstruction,
               'diffusion': MaskedDiffusion, 'dpo': DPO, 'grpo': GRPO,
               'router': RouterLoss}
 
@@ -469,92 +497,6 @@ def run_model(model, x, hidden=False, qkv_layer=None, valid=None, router=False):
     return {'logits': logits, **{k: feats[k] for k in asked if k in feats}}
 
 
-class LocalTeacher:
-    """A frozen model on its own device and dtype: eval mode, no gradients."""
-
-    def __init__(self, model, device='cpu', dtype=torch.float32):
-        self.model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-        self.device = device
-        self.n_layer = len(model.layers)
-
-    @torch.no_grad()
-    def __call__(self, x, y, hidden=False, qkv_layer=None, valid=None):
-        out = run_model(self.model, x.to(self.device), hidden, qkv_layer, valid)
-        back = {}
-        for k, v in out.items():
-            if torch.is_tensor(v):
-                back[k] = v.to(x.device)
-            else:
-                back[k] = [t.to(x.device) for t in v]
-        return back
-
-
-class BaseTeacher(LocalTeacher):
-    """A LoRA student's frozen base as the teacher (DPO's reference): the student itself
-    with its adapters switched off by `switch(model, on)` (lora.set_adapters),
-    so the model is held once."""
-
-    def __init__(self, model, switch):
-        self.model, self.switch, self.n_layer = model, switch, len(model.layers)
-        self.device = next(model.parameters()).device
-
-    def __call__(self, *args, **kw):
-        self.switch(self.model, False)
-        out = super().__call__(*args, **kw)
-        self.switch(self.model, True)
-        return out
-
-
-class RemoteTeacher:
-    """A vLLM server (OpenAI-compatible API). Per sequence we POST the token ids with
-    prompt_logprobs=k; entry i of the answer holds the top-k of P(token_i | tokens < i),
-    so student position i (which predicts token i + 1) lines up with entry i + 1. We
-    send the targets' last token too, so every student position gets its entry."""
-
-    def __init__(self, url, model, top_k=20, timeout=60.0, retries=3, backoff=1.0):
-        self.url = url.rstrip('/') + '/v1/completions'
-        self.model, self.top_k = model, top_k
-        self.timeout, self.retries, self.backoff = timeout, retries, backoff
-        self.n_layer = None
-
-    def post(self, ids):
-        body = {'model': self.model, 'prompt': ids, 'max_tokens': 1, 'temperature': 0,
-                'prompt_logprobs': self.top_k}
-        for attempt in range(self.retries + 1):
-            try:
-                r = requests.post(self.url, json=body, timeout=self.timeout)
-                r.raise_for_status()
-                entries = r.json()['choices'][0]['prompt_logprobs']
-                if len(entries) != len(ids):
-                    raise ValueError(f"{len(entries)} prompt_logprobs "
-                                     f"for {len(ids)} tokens")
-                return entries
-            except (requests.RequestException, ValueError, KeyError, IndexError,
-                    TypeError) as e:
-                error = e
-                if attempt < self.retries:
-                    time.sleep(self.backoff * 2 ** attempt)
-        raise RuntimeError(f"teacher server {self.url} failed after {self.retries + 1} "
-                           f"tries ({error}); check that vLLM serves {self.model!r} "
-                           f"there, with --max-logprobs >= {self.top_k}")
-
-    def __call__(self, x, y, hidden=False, qkv_layer=None):
-        """Top-k logprobs only
-        (the manager refuses objectives that want features from a server)."""
-        B, T = x.shape
-        ids = torch.zeros(B, T, self.top_k, dtype=torch.long)
-        logprobs = torch.full((B, T, self.top_k), -float('inf'))
-        seqs = torch.cat((x, y[:, -1:].clamp(min=0)), dim=1).tolist()
-        for b, seq in enumerate(seqs):
-            # entry i + 1 -> student position i
-            for i, entry in enumerate(self.post(seq)[1:]):
-                ranked = sorted(entry.items(), key=lambda kv: -kv[1]['logprob'])
-                top = ranked[:self.top_k]
-                ids[b, i, :len(top)] = torch.tensor([int(k) for k, _ in top])
-                logprobs[b, i, :len(top)] = torch.tensor([v['logprob'] for _, v in top])
-        return {'topk_ids': ids.to(x.device), 'topk_logprobs': logprobs.to(x.device)}
-
-
 class ObjectiveManager:
     """Runs one training micro-step's objectives: one shared student forward with the
     union of the features the active objectives want, one teacher forward if any of them
@@ -562,8 +504,8 @@ class ObjectiveManager:
 
     def __init__(self, objectives, curriculum, teacher=None, n_layer=None):
         self.objectives, self.curriculum, self.teacher = objectives, curriculum, teacher
-        remote = isinstance(teacher, RemoteTeacher)
-        local = isinstance(teacher, LocalTeacher)
+        local = getattr(teacher, 'local', False)  # teachers.py
+        remote = teacher is not None and not local
         for name, obj in objectives.items():
             if obj.needs_teacher and teacher is None:
                 raise ValueError(f"objective {name!r} needs a teacher; "
@@ -585,7 +527,7 @@ class ObjectiveManager:
         masked diffusion gets `mask_id` unless its settings name one. Raises ValueError
         for an unknown objective, settings that do not fit, or a local teacher whose
         vocabulary is not the student's."""
-        if isinstance(teacher, LocalTeacher):
+        if getattr(teacher, 'local', False):
             vocab, own = teacher.model.config.vocab_size, student.config.vocab_size
             if vocab != own:
                 raise ValueError(f"teacher vocab {vocab} != student vocab {own}; both "

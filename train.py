@@ -35,12 +35,12 @@ from eval import loss_sums, token_bytes, zero_shot
 from hub import Progress
 from lora import attach_lora, load_adapters, save_adapters, set_adapters
 from model import ModelConfig, Transformer
-from objectives import (BaseTeacher, LocalTeacher, ObjectiveManager, RemoteTeacher, ce_loss,
-                        mask_token)
+from objectives import ObjectiveManager, ce_loss, mask_token
 from optim import (SCHEDULES, ZClip, clip_gradients, drop_weight_decay, find_lr, fit_batch,
                    lr_factor, make_optimizers, optimizer_step, param_groups, remix, set_lr)
 from remote import Uploader, download_latest
 from rl import Rollouts
+from teachers import BaseTeacher, LocalTeacher, RemoteTeacher
 from tokenizer import eos_id, run_tokenizer
 
 _imported = set(globals())  # everything defined below, up to the ruler, is a setting
@@ -390,7 +390,9 @@ if state is not None:
 if compile:
     model = torch.compile(model)
 if ddp and not fsdp:
-    model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
+    # block-wise reconstruction leaves the embeddings and the head out of its loss
+    model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None,
+                find_unused_parameters='block' in objectives)
 
 
 def all_mean(x):

@@ -11,9 +11,10 @@ import torch.nn.functional as F
 
 from bitlinear import BitLinear
 from model import ModelConfig, Transformer
-from objectives import (DPO, IGNORE, AttentionRelationKD, CrossEntropy, CurriculumScheduler, HiddenStateKD,
-                        LocalTeacher, LogitsKD, LRCReconstruction, MaskedDiffusion, ObjectiveManager, RemoteTeacher,
-                        ce_loss, depth_map, dpo_loss, relations)
+from objectives import (DPO, IGNORE, AttentionRelationKD, BlockReconstruction, CrossEntropy, CurriculumScheduler,
+                        HiddenStateKD, LogitsKD, LRCReconstruction, MaskedDiffusion, ObjectiveManager, ce_loss,
+                        depth_map, dpo_loss, relations)
+from teachers import LocalTeacher, RemoteTeacher
 
 
 def tiny(seed=0, **kw):
@@ -159,12 +160,13 @@ def test_dpo_closed_form():
     assert abs(got.item() + F.logsigmoid(0.5 * ((pi_w - ref) - (pi_l - ref))).item()) < 1e-5
 
 
-@pytest.mark.parametrize('name', ['ce', 'kd', 'attn', 'hidden', 'lrc', 'diffusion', 'dpo'])
+@pytest.mark.parametrize('name', ['ce', 'kd', 'attn', 'hidden', 'lrc', 'block', 'diffusion', 'dpo'])
 def test_gradients_reach_the_student_and_never_the_teacher(name):
     student = tiny(bitnet=True).add_lrc(2) if name == 'lrc' else tiny(bitnet=True)
     teacher = LocalTeacher(tiny(seed=1))
     obj = {'ce': CrossEntropy(), 'kd': LogitsKD(), 'attn': AttentionRelationKD(layer=1, heads=2), 'hidden': HiddenStateKD(),
-           'lrc': LRCReconstruction(), 'diffusion': MaskedDiffusion(mask_id=39), 'dpo': DPO()}[name]
+           'lrc': LRCReconstruction(), 'block': BlockReconstruction(), 'diffusion': MaskedDiffusion(mask_id=39),
+           'dpo': DPO()}[name]
     manager = ObjectiveManager({name: obj}, CurriculumScheduler([(1.0, {name: 1.0})]), teacher, n_layer=2)
     x = torch.randint(39, (2, 16), generator=torch.Generator().manual_seed(0))
     y = torch.roll(x, -1, 1)
@@ -179,6 +181,9 @@ def test_gradients_reach_the_student_and_never_the_teacher(name):
         should = {n for n in should if n.startswith(('embed_tokens', 'layers.0.', 'layers.1.input_layernorm',
                                                     'layers.1.self_attn.q_proj', 'layers.1.self_attn.k_proj',
                                                     'layers.1.self_attn.v_proj'))}
+    if name == 'block':  # teacher-forced blocks: the embeddings, final norm and head are not involved
+        should = {n for n in should if n.startswith('layers.')}
+        assert all(p.grad is None for n, p in student.named_parameters() if n not in should)
     for n, p in student.named_parameters():
         if n in should:
             assert p.grad is not None and p.grad.abs().sum() > 0, n
@@ -186,6 +191,29 @@ def test_gradients_reach_the_student_and_never_the_teacher(name):
         assert all(m.lrc_u.grad.abs().sum() > 0 and m.lrc_v.grad.abs().sum() > 0
                    for m in student.modules() if isinstance(m, BitLinear))
     assert all(p.grad is None and not p.requires_grad for p in teacher.model.parameters())
+
+
+def test_block_reconstruction_feeds_each_block_the_teachers_input():
+    """Computed block by block by hand: the teacher's embeddings go through its blocks; each student block
+    gets the same input, and its MSE to the teacher block's output is divided by the mean square of what
+    the teacher block added."""
+    fp, student = tiny(seed=1), tiny(seed=2, bitnet=True)
+    x = torch.randint(39, (2, 16), generator=torch.Generator().manual_seed(0))
+    cos, sin = fp.cos[:16], fp.sin[:16]
+    h, expected = fp.embed_tokens(x), []
+    with torch.no_grad():
+        for t_block, s_block in zip(fp.layers, student.layers):
+            out, mine = t_block(h, cos, sin), s_block(h, cos, sin)
+            expected.append(((mine - out) ** 2).mean() / ((out - h) ** 2).mean())
+            h = out
+    got = BlockReconstruction().run(student, LocalTeacher(fp), {'x': x, 'y': x})
+    assert abs(got.item() - sum(expected).item() / 2) < 1e-5 * got.item()
+    assert got.item() > 0.01
+    # a student equal to the teacher has nothing to learn, whatever its blocks' errors would compound to
+    assert BlockReconstruction().run(tiny(seed=1), LocalTeacher(tiny(seed=1)), {'x': x, 'y': x}).item() == 0
+    with pytest.raises(ValueError, match="block needs a teacher of the student's depth"):
+        ObjectiveManager({'block': BlockReconstruction()}, CurriculumScheduler([(1.0, {'block': 1.0})]),
+                         LocalTeacher(tiny(n_layer=3)), n_layer=2)
 
 
 def test_lrc_starts_from_the_svd_of_the_quantization_residual():
