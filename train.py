@@ -171,6 +171,8 @@ cpu_compile = compile and device == 'cpu'
 if fsdp and (not ddp or zero1 or lr_find or optimizer != 'adamw' or cpu_compile):
     sys.exit('error: fsdp=True runs under torchrun, with AdamW, and without zero1, '
              'lr_find or compile on CPU (Muon needs whole matrices); drop one of them')
+if ddp and not fsdp and 'block' in objectives:  # DDP follows the logits' graph only
+    sys.exit("error: objective 'block' runs on several ranks under fsdp=True only; add --fsdp=True")
 targets = lora_targets.split(',')
 unknown = set(targets) - set(TARGETS)
 if lora_rank and (init_from == 'scratch' or fsdp or lambda_warmup or unknown):
@@ -390,9 +392,7 @@ if state is not None:
 if compile:
     model = torch.compile(model)
 if ddp and not fsdp:
-    # block-wise reconstruction leaves the embeddings and the head out of its loss
-    model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None,
-                find_unused_parameters='block' in objectives)
+    model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
 
 
 def all_mean(x):
@@ -620,5 +620,4 @@ if uploader:
     uploader.close()  # waits for the last upload
 if ddp:
     dist.destroy_process_group()
-    # gloo threads free the last collectives' tensors under the GIL; exiting first aborts
-    time.sleep(0.2)
+    time.sleep(0.2)  # gloo's threads free the last tensors under the GIL; exiting at once aborts

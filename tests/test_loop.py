@@ -267,6 +267,24 @@ def test_ddp_and_zero1_match_a_single_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_block_reconstruction_under_ddp_and_fsdp_matches_a_single_process(tmp_path, teacher_dir):
+    """Block-wise reconstruction leaves the embeddings and the head out of its loss; two steps in, CE
+    brings them back. 2 FSDP ranks equal one process to 1e-5. DDP cannot run it (a teacher-forced block
+    is not on the graph of the logits, the only output DDP follows): one line says so."""
+    common = ['--max_steps=4', '--gradient_accumulation_steps=2', f'--teacher={teacher_dir}', '--n_embd=48',
+              '--n_kv_head=2', "--objectives={'block': {}, 'ce': {}}",
+              "--curriculum=[(0.5, {'block': 1.0}), (1.0, {'ce': 1.0})]"]
+    logs = one_process_and_two_ranks(tmp_path, common, fsdp=['--fsdp=True'])
+    assert [len(x) for x in logs] == [4, 4]
+    assert logs[0][0]['w_block'] == 1.0 and logs[0][3]['w_ce'] == 1.0
+    for rows in zip(*logs):
+        assert max(abs(r['loss'] - rows[0]['loss']) for r in rows) <= 1e-5 * rows[0]['loss']
+    r = torchrun([*common, f'--out_dir={tmp_path / "ddp"}'])
+    assert r.returncode == 1 and "objective 'block' runs on several ranks under fsdp=True only" in r.stderr
+    assert not os.path.exists(tmp_path / 'ddp' / 'log.jsonl')
+
+
+@pytest.mark.slow
 def test_moe_under_ddp_and_fsdp_matches_a_single_process(tmp_path):
     """Every expert has a gradient on every rank, even one no token of a rank's batch went to
     (DDP would otherwise stop at the second step): 2 ranks equal one process to 1e-5, router losses
