@@ -106,7 +106,10 @@ def test_smollm_command_end_to_end_against_a_local_hub(hub_server, tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     recs = [json.loads(line) for line in open(out / 'log.jsonl')]
     assert [rec['step'] for rec in recs] == list(range(1, 11))
-    assert recs[0]['w_kd'] == recs[-1]['w_kd'] == 1 and recs[0]['w_ce'] == 1  # CE + KD from the start
+    # block-wise reconstruction for the first third, then CE + KD; two ranks run it under FSDP
+    assert recs[0]['w_block'] == 1 and recs[0]['w_ce'] == recs[0]['w_kd'] == 0
+    assert recs[-1]['w_block'] == 0 and recs[-1]['w_ce'] == recs[-1]['w_kd'] == 1
+    assert math.isfinite(recs[0]['loss_block']) and recs[0]['loss_block'] > 0
     assert all(math.isfinite(recs[-1][k]) and recs[-1][k] > 0 for k in ('loss_ce', 'loss_kd'))
     downloads = [p for p, _, _ in hub_server.log if '/resolve/' in p]
     # the five files and probes (404s) for a shard index and the two chat-template files, each asked
