@@ -3,18 +3,16 @@
 # 120 steps of 2 x 256 tokens (61,440 tokens), block-wise phase included, in the same data order;
 # `python sweep.py sweeps/convert.py --workers=2` trains them, eval.py scores them.
 import os
+import runpy
 
-from hub import cache_dir
-
-SMOLLM2 = os.path.join(cache_dir(), 'SmolLM2-135M-Instruct')
+# distillation.md's model, data, steps and schedules (sweeps/distill.py), one sample prompt
+distill = runpy.run_path(os.path.join(os.path.dirname(__file__), 'distill.py'))
+SMOLLM2 = distill['SMOLLM2']
 
 out_dir = 'out-convert'
-max_steps = 120
-chunks = 3  # a chunk ends at each evaluation: steps 40, 80, 120
-base = dict(init_from=SMOLLM2, tokenizer=SMOLLM2, bitnet=True, batch_size=2, block_size=256,
-            learning_rate=5e-4, min_lr=5e-5, warmup_steps=10, weight_decay=0.0,
-            lambda_warmup=0.5, eval_interval=40, eval_iters=4, log_interval=5, keep_last=1,
-            eval_prompts=['The try statement'])
+max_steps = distill['max_steps']  # 120
+chunks = distill['chunks']  # a chunk ends at each evaluation: steps 40, 80, 120
+base = dict(distill['base'], eval_prompts=['The try statement'])
 
 KD = {'temperature': 5.0}
 
