@@ -3,16 +3,28 @@ Poor man's configurator, after nanoGPT. Usage:
 
     python train.py config/tiny_fp.py --batch_size=32 --lr=1
 
-Config files are plain Python, exec'd in order over the defaults; then each
-`--key=value` is parsed with `ast.literal_eval` (a bare word stays a string). Every
-override must name an existing setting and keep its type (an int may stand in for a
-float), so that a typo fails at once with a one-line message instead of silently
-training the wrong thing.
+Config files are plain Python, exec'd in order over the defaults (they are code, as in
+nanoGPT: run only files you trust); then each `--key=value` is parsed with
+`ast.literal_eval` (a bare word stays a string). Every override must name an existing
+setting and keep its type (an int may stand in for a float), and a setting with a declared
+range must lie in it, so that a typo fails at once with a one-line message instead of
+silently training the wrong thing.
+
+Ranges are declared by the script beside its settings: 'positive' (above 0),
+'non-negative' (0 or above), 'fraction' (0 to 1), or a tuple of the allowed values.
+Scripts that take positional words (a section, a folder) split them off with `words`
+first; every script reads its arguments here and nowhere else.
 """
 import ast
 import difflib
 import inspect
 import os
+
+RANGES = {
+    'positive': (lambda v: v > 0, 'above 0'),
+    'non-negative': (lambda v: v >= 0, '0 or above'),
+    'fraction': (lambda v: 0 <= v <= 1, 'between 0 and 1'),
+}
 
 
 def _check(config, key, value):
@@ -30,10 +42,40 @@ def _check(config, key, value):
     raise SystemExit(f"error: {key} must be {want}, got {value!r} ({got})")
 
 
-def configure(config, args):
-    """Apply config files and --key=value args (a list of strings) to the dict `config`."""
+def _check_range(key, value, allowed):
+    """A setting against its declared range: a name in RANGES or a tuple of values."""
+    if isinstance(allowed, tuple):
+        if value not in allowed:
+            choices = ', '.join(repr(a) for a in allowed)
+            raise SystemExit(f"error: {key}={value!r} is not allowed; set --{key} to one "
+                             f"of {choices}")
+        return
+    test, wanted = RANGES[allowed]
+    if not test(value):
+        raise SystemExit(f"error: {key}={value!r} is out of range; set --{key} to a value "
+                         f"{wanted}")
+
+
+def words(args, allowed=None, most=None):
+    """Split a script's positional words from its --key=value arguments. `allowed` (a
+    collection) is what a word may be, `most` how many there may be; returns (words, rest)."""
+    found = [a for a in args if not a.startswith('--')]
+    rest = [a for a in args if a.startswith('--')]
+    if most is not None and len(found) > most:
+        raise SystemExit(f"error: too many words in {found}; this script takes at most {most}")
+    for word in found:
+        if allowed is not None and word not in allowed:
+            raise SystemExit(f"error: unknown word {word!r}; choose from {', '.join(allowed)}")
+    return found, rest
+
+
+def configure(config, args, ranges=None):
+    """Apply config files and --key=value args (a list of strings) to the dict `config`,
+    then check every setting named in `ranges` ({key: range})."""
     for arg in args:
         if not arg.startswith('--'):
+            if '=' in arg and not arg.endswith('.py'):
+                raise SystemExit(f"error: expected --key=value, got {arg!r}; add the --")
             if not os.path.isfile(arg):
                 raise SystemExit(f"error: config file {arg!r} not found; "
                                  f"config files live in config/")
@@ -52,9 +94,11 @@ def configure(config, args):
                 raise SystemExit(f"error: expected --key=value, got {arg!r}")
             try:
                 value = ast.literal_eval(text)
-            except (SyntaxError, ValueError):
+            except (SyntaxError, ValueError, MemoryError, RecursionError):
                 value = text
             if isinstance(config.get(key), str):
                 value = text  # --out_dir=123 is the string '123'
             config[key] = _check(config, key, value)
+    for key, allowed in (ranges or {}).items():
+        _check_range(key, config[key], allowed)
     return config

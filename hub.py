@@ -67,6 +67,25 @@ class DownloadError(OSError):
         self.status = status
 
 
+def plain_name(name, what='file name'):
+    """A name from outside (an object key's part, a manifest entry, a shard name) checked
+    to be one plain file name: no folder separator, no '..', no query or fragment mark, no
+    drive, nothing hidden or empty. Raises ValueError that says what came."""
+    bad = (not isinstance(name, str) or name in ('', '.', '..') or name.startswith('.')
+           or any(c in name for c in '/\\?#:\0') or name != name.strip())
+    if bad:
+        raise ValueError(f"{what} {name!r} is not a plain file name; refusing it")
+    return name
+
+
+def inside(folder, name, what='file name'):
+    """folder/name for a plain `name`, resolved and checked to stay inside `folder`."""
+    path = os.path.realpath(os.path.join(folder, plain_name(name, what)))
+    if os.path.dirname(path) != os.path.realpath(folder):
+        raise ValueError(f"{what} {name!r} leads out of {folder}; refusing it")
+    return path
+
+
 def cache_dir():
     return (os.environ.get('NANOBITNET_CACHE')
             or os.path.expanduser('~/.cache/nanobitnet'))
