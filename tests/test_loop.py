@@ -287,13 +287,16 @@ def test_block_reconstruction_under_ddp_and_fsdp_matches_a_single_process(tmp_pa
 @pytest.mark.slow
 def test_moe_under_ddp_and_fsdp_matches_a_single_process(tmp_path):
     """Every expert has a gradient on every rank, even one no token of a rank's batch went to
-    (DDP would otherwise stop at the second step): 2 ranks equal one process to 1e-5, router losses
-    included."""
+    (DDP would otherwise stop at the second step): 2 ranks equal one process to 1e-4, router losses
+    included. The experts are ternary: a last-bit difference in the gradients' reduction order
+    (one process against two ranks) moves a weight across a rounding boundary of the absmean
+    quantizer, and from there the int8 codes differ. On an AMD EPYC (AVX-512) the router loss
+    differed by 4.3e-5 relative (0.0121986 against 0.0121981), over the 1e-5 the dense tests hold."""
     common = ['--max_steps=6', '--gradient_accumulation_steps=2', MOE]
     logs = one_process_and_two_ranks(tmp_path, common, two=[], fsdp=['--fsdp=True'])
     for x, y, z in zip(*logs, strict=True):
         for key in ('loss', 'loss_router', 'load_balance'):
-            assert abs(x[key] - y[key]) <= 1e-5 * abs(x[key]) and abs(x[key] - z[key]) <= 1e-5 * abs(x[key])
+            assert abs(x[key] - y[key]) <= 1e-4 * abs(x[key]) and abs(x[key] - z[key]) <= 1e-4 * abs(x[key])
         assert x['expert_load'] == y['expert_load'] == z['expert_load']
 
 
