@@ -30,6 +30,7 @@ import torch.nn.functional as F
 import checkpoint
 import kernels
 from bitlinear import BitLinear
+from configurator import configure, words
 from data import get_batch, offline_corpus
 from engine import fuse, generate, profile_token, weight_bytes
 from eval import heldout
@@ -395,9 +396,9 @@ if __name__ == '__main__':
     sections = dict(kernels=bench_matmul, decode=bench_decode, train=bench_train,
                     moe=bench_moe, curve=bench_curve, distill=bench_distill,
                     upload=bench_upload)
-    which = sys.argv[1:] or list(sections)
-    if any(s not in sections for s in which):
-        sys.exit(f"error: unknown section in {which}; choose from {list(sections)}")
+    which, options = words(sys.argv[1:], allowed=sections)
+    configure({}, options)  # no settings: a --key=value is an unknown key, in one line
+    which = which or list(sections)
     print(f"machine: {machine()}; last-level cache {cache_bytes() >> 20} MiB; "
           f"ternary path {kernels.best(device)!r}")
     for s in which:

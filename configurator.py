@@ -11,7 +11,8 @@ range must lie in it, so that a typo fails at once with a one-line message inste
 silently training the wrong thing.
 
 Ranges are declared by the script beside its settings: 'positive' (above 0),
-'non-negative' (0 or above), 'fraction' (0 to 1), or a tuple of the allowed values.
+'non-negative' (0 or above), 'fraction' (0 to 1), 'non-empty', or a tuple of the allowed
+values.
 Scripts that take positional words (a section, a folder) split them off with `words`
 first; every script reads its arguments here and nowhere else.
 """
@@ -24,6 +25,7 @@ RANGES = {
     'positive': (lambda v: v > 0, 'above 0'),
     'non-negative': (lambda v: v >= 0, '0 or above'),
     'fraction': (lambda v: 0 <= v <= 1, 'between 0 and 1'),
+    'non-empty': (lambda v: len(v) > 0, 'that is not empty'),
 }
 
 

@@ -172,12 +172,20 @@ def choice_logprobs(forward, enc, qs, prefix_id, max_len, batch_tokens=1024,
     forward(ids (B, T)) -> logits (B, T, vocab). Sequences are cut to their last
     max_len + 1 tokens, sorted by length (less padding than keeping a question's choices
     together) and run in batches of up to batch_tokens, right-padded (which a causal
-    model cannot see), with a progress line in tokens (the longest come first)."""
-    rows = []  # (question, choice, model input, continuation tokens)
+    model cannot see), with a progress line in tokens (the longest come first).
+
+    A continuation longer than the model's window (which lm-evaluation-harness refuses) is
+    scored on its last tokens that fit: a window of max_len inputs predicts at most max_len
+    targets. Returns (sums, the number of questions with a continuation cut so)."""
+    rows = []  # (question, choice, model input, the continuation tokens it predicts)
+    cut = set()
     for i, q in enumerate(qs):
         for j, (context, continuation) in enumerate(q['choices']):
             context_ids, cont = encode_pair(enc, context, continuation, prefix_id)
             ids = (context_ids + cont)[-(max_len + 1):]
+            if len(cont) > len(ids) - 1:
+                cut.add(i)
+                cont = cont[-(len(ids) - 1):]
             rows.append((i, j, ids[:-1], cont))
     rows.sort(key=lambda r: -len(r[2]))
     sums = [[0.0] * len(q['choices']) for q in qs]
@@ -199,7 +207,7 @@ def choice_logprobs(forward, enc, qs, prefix_id, max_len, batch_tokens=1024,
         done += len(batch)
         tokens += sum(len(r[2]) for r in batch)
         show(tokens, f" ({done:,} of {len(rows):,} choices)", last=done == len(rows))
-    return sums
+    return sums, len(cut)
 
 
 def mean_and_stderr(xs):
@@ -225,17 +233,33 @@ def accuracy(qs, sums):
     return result
 
 
+def parse_task(task):
+    """'name' (all its questions) or 'name:limit' (its first `limit`) as (name, limit)."""
+    name, colon, limit = task.partition(':')
+    if colon and not (limit.isdigit() and int(limit) > 0):
+        raise ValueError(f"task {task!r}: write name:limit with a limit above 0, "
+                         f"e.g. 'arc_easy:200'")
+    return name, int(limit) if colon else None
+
+
+def check_tasks(tasks, package=None):
+    """Every task's questions loaded now (they are cached), so that a bad name or limit
+    stops a run before its first step. Raises ValueError naming the tasks there."""
+    for task in tasks:
+        load_task(*parse_task(task), package)
+
+
 def zero_shot(forward, enc, tasks, max_len, batch_tokens=1024, package=None,
               device='cpu'):
-    """{task: accuracy(...)} for tasks named 'name' (all its questions) or 'name:limit'
-    (its first `limit`), e.g. ['arc_easy:200', 'piqa']; the token ids go to `device`."""
+    """{task: accuracy(...) and the questions whose continuation was cut} for tasks named
+    'name' or 'name:limit', e.g. ['arc_easy:200', 'piqa']; the token ids go to `device`."""
     results = {}
     for task in tasks:
-        name, _, limit = task.partition(':')
-        qs = load_task(name, int(limit) if limit else None, package)
-        sums = choice_logprobs(forward, enc, qs, eos_id(enc), max_len, batch_tokens, name,
-                               device)
-        results[name] = accuracy(qs, sums)
+        name, limit = parse_task(task)
+        qs = load_task(name, limit, package)
+        sums, cut = choice_logprobs(forward, enc, qs, eos_id(enc), max_len, batch_tokens,
+                                    name, device)
+        results[name] = accuracy(qs, sums) | {'cut': cut}
     return results
 
 
@@ -251,9 +275,11 @@ def main(argv):
         batch_tokens=1024,    # tokens per forward
         device='cuda' if torch.cuda.is_available() else 'cpu',
         out='')               # also write the JSON there
-    c = configure(settings, argv)
+    ranges = {'limit': 'non-negative', 'batch_tokens': 'positive'}
+    c = configure(settings, argv, ranges)
     tasks = [t + (f':{c["limit"]}' if c['limit'] else '') for t in c['tasks'].split(',')]
     try:
+        check_tasks(tasks)
         if c['gguf']:
             if not c['tokenizer']:
                 sys.exit("error: --gguf needs --tokenizer, e.g. the checkpoint it came from")
@@ -268,6 +294,11 @@ def main(argv):
         enc = get_tokenizer(tokenizer)
         result['tasks'] = zero_shot(forward, enc, tasks, max_len, c['batch_tokens'],
                                     device=c['device'])
+        for name, scores in result['tasks'].items():
+            if scores['cut']:
+                print(f"{name}: {scores['cut']} of {scores['questions']} questions have a "
+                      f"continuation longer than the model's {max_len} tokens, scored on "
+                      f"its last {max_len} tokens", file=sys.stderr)
     except (OSError, ValueError, RuntimeError, KeyError, ImportError) as e:
         sys.exit(f"error: {e}")
     val = offline_corpus(enc)[1]  # the offline corpus's last 10%, which no run trains on

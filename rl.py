@@ -33,6 +33,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from configurator import configure, words
 from engine import load, rollout
 from hub import cache_dir
 from objectives import group_advantages
@@ -294,20 +295,29 @@ def main(argv):
     """python rl.py: write the offline task and print where. With --ckpt=DIR (what sample.py
     takes): that model's held-out scores, greedy, or sampled at --temperature once per
     --seeds=0,1,2 (the spread an untrained model shows by chance)."""
-    args = dict(a.removeprefix('--').split('=', 1) for a in argv)
-    if 'ckpt' not in args:
+    settings = dict(ckpt='', max_new_tokens=48, rewards='correct_answer,format',
+                    temperature=0.0, seeds='0')
+    ranges = {'max_new_tokens': 'positive', 'temperature': 'non-negative',
+              'rewards': 'non-empty', 'seeds': 'non-empty'}
+    c = configure(settings, words(argv, most=0)[1], ranges)
+    if not c['ckpt']:
         print('\n'.join(arithmetic_files()))
         return
-    _, model, tokenizer = load(args['ckpt'])
-    enc = get_tokenizer(tokenizer)
-    settings = dict(max_new_tokens=int(args.get('max_new_tokens', 48)),
-                    rewards=args.get('rewards', 'correct_answer,format').split(','))
-    scorer = Rollouts('arithmetic', 'arithmetic_heldout', enc, model.config.max_seq_len,
-                      1, 1, **settings)
-    temperature = float(args.get('temperature', 0.0))
-    for seed in args.get('seeds', '0').split(','):
-        scores = scorer.heldout_scores(model, temperature, int(seed))
-        print(json.dumps(dict(temperature=temperature, seed=int(seed), **scores)), flush=True)
+    seeds = c['seeds'].split(',')
+    if not all(s.isdigit() for s in seeds):
+        raise SystemExit(f"error: seeds={c['seeds']!r}; set --seeds to integers, e.g. 0,1,2")
+    try:
+        _, model, tokenizer = load(c['ckpt'])
+        enc = get_tokenizer(tokenizer)
+        scorer = Rollouts('arithmetic', 'arithmetic_heldout', enc, model.config.max_seq_len,
+                          1, 1, max_new_tokens=c['max_new_tokens'],
+                          rewards=c['rewards'].split(','))
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        raise SystemExit(f"error: {e}") from None
+    for seed in seeds:
+        scores = scorer.heldout_scores(model, c['temperature'], int(seed))
+        print(json.dumps(dict(temperature=c['temperature'], seed=int(seed), **scores)),
+              flush=True)
 
 
 if __name__ == '__main__':

@@ -47,7 +47,10 @@ export_dtype = 'float32'  # of the GGUF's embedding (and head): 'float32' or 'fl
 merge = ''             # LoRA on an fp base: write the merged model there instead
 settings = {k: v for k, v in globals().items() if isinstance(v, (int, float, str))}
 settings = {k: v for k, v in settings.items() if not k.startswith('_')}
-config = configure(settings, sys.argv[1:])
+ranges = {'prompt': 'non-empty', 'num_tokens': 'positive', 'temperature': 'non-negative',
+          'top_k': 'positive', 'export_ternary': ('tq2_0', 'tq1_0', 'q8_0', 'f16'),
+          'export_dtype': ('float32', 'float16')}
+config = configure(settings, sys.argv[1:], ranges)
 globals().update(config)
 
 try:
@@ -75,6 +78,9 @@ try:
     ids = chat_prompt(enc, prompt) if chat else enc.encode_ordinary(prompt)
 except (OSError, ValueError) as e:
     sys.exit(f"error: tokenizer {tokenizer!r}: {e}")
+if not export and len(ids) >= model.config.max_seq_len:
+    sys.exit(f"error: the prompt is {len(ids)} tokens, and the model's window "
+             f"{model.config.max_seq_len}; shorten --prompt")
 
 if export:
     vocab = gguf_vocab(enc, model.config.vocab_size)

@@ -77,7 +77,8 @@ def test_batched_scores_equal_one_forward_per_choice():
     qs = [{'choices': [('The cat', ' sat.'), ('The cat', ' flew over the moon.')], 'gold': 0},
           {'choices': [('', ' alone'), ('A much longer context than the model can hold ', 'x')],
            'gold': 1}]
-    got = eval.choice_logprobs(model, enc, qs, 256, max_len=24, batch_tokens=40)
+    got, cut = eval.choice_logprobs(model, enc, qs, 256, max_len=24, batch_tokens=40)
+    assert cut == 0
     for q, sums in zip(qs, got):
         for (context, continuation), s in zip(q['choices'], sums):
             if context:  # no trailing spaces here except the long one's, which moves
@@ -130,8 +131,8 @@ def test_smollm2_scores_as_transformers_does_on_the_five_tasks():
     theirs = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
     for task in ('arc_easy', 'arc_challenge', 'piqa', 'winogrande', 'hellaswag'):
         qs = eval.load_task(task, limit=24)
-        a = eval.choice_logprobs(ours, enc, qs, eos_id(enc), 2048)
-        b = eval.choice_logprobs(lambda x: theirs(x).logits, enc, qs, eos_id(enc), 2048)
+        a, _ = eval.choice_logprobs(ours, enc, qs, eos_id(enc), 2048)
+        b, _ = eval.choice_logprobs(lambda x: theirs(x).logits, enc, qs, eos_id(enc), 2048)
         assert max(abs(x - y) for s, t in zip(a, b) for x, y in zip(s, t)) < 1e-3, task
         assert eval.accuracy(qs, a) == eval.accuracy(qs, b), task
         if task == 'arc_easy':
@@ -209,3 +210,59 @@ def test_training_logs_zero_shot_scores_and_bits_per_byte(tmp_path):
         assert {t: s['questions'] for t, s in e['zero_shot'].items()} == {'arc_easy': 1, 'piqa': 2}
         # bytes: one byte a token, but end-of-text targets cost bits and count no byte
         assert e['val_bpb'] >= e['val_loss'] / math.log(2) > 0.99 * e['val_bpb']
+
+
+def window_sum(model, ids, window, n):
+    """By hand: the model reads the last window + 1 tokens of ids but the last; the summed
+    log-probability of its predictions of the last n tokens."""
+    seq = ids[-(window + 1):]
+    with torch.no_grad():
+        logp = model(torch.tensor([seq[:-1]]))[0].log_softmax(-1)
+    return sum(logp[k, seq[k + 1]].item() for k in range(len(seq) - 1 - n, len(seq) - 1))
+
+
+def test_a_continuation_longer_than_the_window_is_scored_on_its_last_tokens():
+    """A continuation of 40 tokens on a model of 24: its last 24 tokens are scored, each from
+    the tokens before it in the window (no position wraps around), and the question counts as
+    cut; a continuation of exactly 24 tokens fits and does not."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=320, n_layer=2, n_embd=32, n_head=2, n_kv_head=1,
+                                    intermediate_size=64, max_seq_len=24)).eval()
+    enc = eval.get_tokenizer('bytes')
+    long, fits = ' ' + 'abcdefghij' * 4, ' ' + 'x' * 23
+    qs = [{'choices': [('Q', long), ('Q', ' no')], 'gold': 0},
+          {'choices': [('Q', fits), ('Q', ' no')], 'gold': 0}]
+    sums, cut = eval.choice_logprobs(model, enc, qs, 256, max_len=24)
+    assert cut == 1
+    assert sums[0][0] == pytest.approx(window_sum(model, list(long.encode()), 24, 24), abs=1e-4)
+    assert sums[1][0] == pytest.approx(window_sum(model, list(('Q' + fits).encode()), 24, 24), abs=1e-4)
+
+
+@pytest.mark.slow
+def test_hellaswag_on_the_default_model_scores_its_long_questions_and_says_how_many(tmp_path):
+    """The default model's shape (128 tokens of bytes, ternary) on HellaSwag's first 100
+    real questions, many of whose endings are longer than 128 bytes: eval.py counts the
+    questions cut as a count by hand does, says so on stderr, and their sums equal the
+    hand computation over each ending's last 128 tokens."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(max_seq_len=128, bitnet=True, subln=True)).eval()
+    model.save_pretrained(str(tmp_path / 'model'))
+    cmd = [sys.executable, 'eval.py', f'--ckpt={tmp_path / "model"}', '--tasks=hellaswag',
+           '--limit=100', '--packed=False', f'--out={tmp_path / "r.json"}']
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr
+    enc = eval.get_tokenizer('bytes')
+    qs = eval.load_task('hellaswag', 100)
+    by_hand = [any(len(eval.encode_pair(enc, c, x, 256)[1]) > 128 for c, x in q['choices'])
+               for q in qs]
+    assert 0 < sum(by_hand) < 100
+    got = json.load(open(tmp_path / 'r.json'))['tasks']['hellaswag']
+    assert got['cut'] == sum(by_hand) and got['questions'] == 100
+    assert f"hellaswag: {sum(by_hand)} of 100 questions have a continuation longer" in r.stderr
+    first = by_hand.index(True)
+    sums, cut = eval.choice_logprobs(model, enc, qs[first:first + 1], 256, 128)
+    assert cut == 1
+    for (context, continuation), s in zip(qs[first]['choices'], sums[0]):
+        context_ids, cont = eval.encode_pair(enc, context, continuation, 256)
+        want = window_sum(model, context_ids + cont, 128, min(len(cont), 128))
+        assert s == pytest.approx(want, abs=1e-3)

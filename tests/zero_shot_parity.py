@@ -33,11 +33,11 @@ def main(hellaswag_limit=0, theirs_limit=0, out='zero_shot_parity.json'):
     for task in [t for t in TASKS if t not in results]:
         qs = eval.load_task(task, (hellaswag_limit if task == 'hellaswag' else 0) or None)
         t0 = time.time()
-        a = eval.choice_logprobs(ours, enc, qs, eos_id(enc), 2048, what=f'{task} (ours)')
+        a, _ = eval.choice_logprobs(ours, enc, qs, eos_id(enc), 2048, what=f'{task} (ours)')
         seconds = time.time() - t0
         some = qs[:theirs_limit or None]
-        b = eval.choice_logprobs(lambda x: theirs(x).logits, enc, some, eos_id(enc), 2048,
-                                 what=f'{task} (transformers)')
+        b, _ = eval.choice_logprobs(lambda x: theirs(x).logits, enc, some, eos_id(enc), 2048,
+                                    what=f'{task} (transformers)')
         diff = max(abs(x - y) for s, t in zip(a, b) for x, y in zip(s, t))
         results[task] = dict(ours=eval.accuracy(qs, a), ours_seconds=round(seconds, 1),
                              ours_on_theirs=eval.accuracy(some, a[:len(some)]),
