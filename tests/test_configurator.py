@@ -43,3 +43,33 @@ def test_bad_config_file_and_bad_flag(tmp_path):
         configure(defaults(), [str(bad)])
     with pytest.raises(SystemExit, match="expected --key=value"):
         configure(defaults(), ['--compile'])
+
+
+def test_declared_ranges_are_checked_after_files_and_flags(tmp_path):
+    ranges = {'batch_size': 'positive', 'lr': 'non-negative', 'out_dir': 'non-empty',
+              'init_from': ('scratch', 'resume')}
+    assert configure(defaults(), ['--lr=0'], ranges)['lr'] == 0.0
+    with pytest.raises(SystemExit) as e:
+        configure(defaults(), ['--batch_size=0'], ranges)
+    assert str(e.value) == "error: batch_size=0 is out of range; set --batch_size to a value above 0"
+    with pytest.raises(SystemExit, match=r"error: lr=-1.0 is out of range; set --lr to a value 0 or above"):
+        configure(defaults(), ['--lr=-1'], ranges)
+    with pytest.raises(SystemExit, match="error: out_dir='' is out of range; set --out_dir to a value that is not empty"):
+        configure(defaults(), ['--out_dir='], ranges)
+    with pytest.raises(SystemExit, match="error: init_from='x' is not allowed; set --init_from to one of 'scratch', 'resume'"):
+        configure(defaults(), ['--init_from=x'], ranges)
+    bad = tmp_path / 'bad.py'
+    bad.write_text("batch_size = -4\n")  # a config file is held to the same ranges
+    with pytest.raises(SystemExit, match="batch_size=-4 is out of range"):
+        configure(defaults(), [str(bad)], ranges)
+
+
+def test_positional_words_are_split_off_and_checked():
+    from configurator import words
+    assert words(['kernels', '--x=1', 'decode'], allowed=('kernels', 'decode')) == (['kernels', 'decode'], ['--x=1'])
+    with pytest.raises(SystemExit, match="error: unknown word 'kernals'; choose from kernels, decode"):
+        words(['kernals'], allowed=('kernels', 'decode'))
+    with pytest.raises(SystemExit, match="error: too many words"):
+        words(['a', 'b'], most=1)
+    with pytest.raises(SystemExit, match="error: expected --key=value, got 'batch_size=4'; add the --"):
+        configure(defaults(), ['batch_size=4'])
