@@ -12,10 +12,12 @@ import itertools
 import json
 import os
 import runpy
+import sys
 
 from configurator import configure
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+REQUIRED = {'out_dir': str, 'max_steps': int, 'chunks': int}  # the sweep's, for every arm
 
 
 @functools.cache  # train.py's text is run once per sweep, not once per arm
@@ -54,6 +56,11 @@ def new_sweep(path):
     for values in itertools.product(*grid.values()) if grid else ():
         combo = dict(zip(grid, values))
         arms['_'.join(f'{k}={v}' for k, v in combo.items())] = combo
+    settings = [spec.get('base', {})] + list(arms.values())
+    for key, kind in REQUIRED.items():
+        if type(spec.get(key)) is not kind or any(key in s for s in settings):
+            raise SystemExit(f"error: {path}: set {key} ({kind.__name__}) at the top of "
+                             f"the sweep file, once for every arm, not in base or an arm")
     if not arms or not 0 < spec['chunks'] <= spec['max_steps']:
         raise SystemExit(f"error: {path}: name arms or a grid; 0 < chunks <= max_steps")
     # train.py runs in the repository: paths are relative to it, out_dir made absolute
@@ -70,6 +77,8 @@ def new_sweep(path):
 
 def command(state, words):
     """Apply one control command (stop, resume, clone) to the state."""
+    if len(words) < 2:
+        raise SystemExit(f"error: {' '.join(words)}: name an arm, as in {words[0]} ARM")
     verb, name, rest = words[0], words[1], words[2:]
     arms = state['arms']
     if verb not in ('stop', 'resume', 'clone') or name not in arms:
@@ -93,7 +102,11 @@ def apply_commands(state):
     path = os.path.join(state['dir'], 'control.jsonl')
     lines = open(path).read().splitlines() if os.path.exists(path) else []
     for line in lines[state['commands']:]:
-        command(state, json.loads(line))
+        try:
+            command(state, json.loads(line))
+        except json.JSONDecodeError:  # cut off by a crash mid-write: it never came
+            print(f"warning: {path}: dropped the cut-off line {line!r}; queue that "
+                  f"command again", file=sys.stderr)
     state['commands'] = len(lines)
 
 
@@ -103,8 +116,10 @@ def queue_command(state, words):
     ahead = copy.deepcopy(state)  # with the queued commands applied
     apply_commands(ahead)
     command(ahead, words)
-    with open(os.path.join(state['dir'], 'control.jsonl'), 'a') as f:
-        f.write(json.dumps(words) + '\n')
+    path = os.path.join(state['dir'], 'control.jsonl')
+    cut = os.path.exists(path) and open(path).read()[-1:] not in ('', '\n')
+    with open(path, 'a') as f:  # on a line of its own, after a cut-off one too
+        f.write(('\n' if cut else '') + json.dumps(words) + '\n')
 
 
 def table(state):

@@ -25,6 +25,7 @@ import torch
 
 import checkpoint
 from arms import apply_commands, new_sweep, queue_command, table
+from configurator import configure, words
 from optim import write_svg
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -119,23 +120,24 @@ def report(state, rows):
 
 
 def main(argv):
-    options = [a for a in argv if a.startswith('--workers=')]
-    argv = [a for a in argv if a not in options]
-    workers = options[-1].partition('=')[2] if options else '1'
-    if not argv or not workers.isdigit() or int(workers) < 1:
+    plain = [i for i, a in enumerate(argv) if not a.startswith('--')]
+    at = plain[1] if len(plain) > 1 else len(argv)  # a command from the second word on
+    where, options = words(argv[:at])
+    workers = configure({'workers': 1}, options, {'workers': 'positive'})['workers']
+    if not where:
         raise SystemExit("usage: python sweep.py SWEEP_FILE | DIR [--workers=N, N >= 1] "
                          "| DIR stop|resume|clone ARM ...")
-    state = new_sweep(argv[0]) if os.path.isfile(argv[0]) else None
-    path = os.path.join(state['dir'] if state else argv[0], 'sweep.json')
+    state = new_sweep(where[0]) if os.path.isfile(where[0]) else None
+    path = os.path.join(state['dir'] if state else where[0], 'sweep.json')
     if os.path.exists(path):
         with open(path) as f:
             state = json.load(f)  # a sweep under way carries on
     if state is None:
-        raise SystemExit(f"error: {argv[0]!r} is no sweep file and no sweep's folder")
-    if len(argv) > 1:
-        queue_command(state, argv[1:])
+        raise SystemExit(f"error: {where[0]!r} is no sweep file and no sweep's folder")
+    if argv[at:]:
+        queue_command(state, argv[at:])
     else:
-        run(state, path, int(workers))
+        run(state, path, workers)
 
 
 def run(state, path, workers):

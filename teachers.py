@@ -7,10 +7,12 @@ with a dict (objectives.py reads it):
 - `BaseTeacher`    a LoRA student's own frozen base, its adapters switched off (the
                    reference of DPO and GRPO), so that the model is held once
 - `RemoteTeacher`  a vLLM server (OpenAI-compatible API): the top-k logprobs of every
-                   position, for logits distillation from a model too big to hold here
+                   position, for logits distillation from a model too big to hold here;
+                   its replies checked before use
 
 This file needs torch, requests and objectives.py (whose run_model calls a model).
 """
+import math
 import time
 
 import requests
@@ -66,14 +68,50 @@ class RemoteTeacher:
     """A vLLM server (OpenAI-compatible API). Per sequence we POST the token ids with
     prompt_logprobs=k; entry i of the answer holds the top-k of P(token_i | tokens < i),
     so student position i (which predicts token i + 1) lines up with entry i + 1. We
-    send the targets' last token too, so every student position gets its entry."""
+    send the targets' last token too, so every student position gets its entry.
+
+    A reply is checked before use, as a wrong one would fail deep inside a training step:
+    one entry per token, each holding at least k tokens (vLLM adds the actual token when
+    it is not among the top k), each key a token id below vocab_size (the student's; None
+    checks only that it is one) with its logprob. A bad reply is retried as a network
+    error is, and after the last try ends the run in one line."""
     local = False  # logprobs only
 
-    def __init__(self, url, model, top_k=20, timeout=60.0, retries=3, backoff=1.0):
+    def __init__(self, url, model, top_k=20, timeout=60.0, retries=3, backoff=1.0,
+                 vocab_size=None):
         self.url = url.rstrip('/') + '/v1/completions'
-        self.model, self.top_k = model, top_k
+        self.model, self.top_k, self.vocab_size = model, top_k, vocab_size
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.n_layer = None
+
+    def token(self, key):
+        """An entry's key as a token id: the plain digits of an id in the vocabulary."""
+        if not (key.isascii() and key.isdecimal()) or str(int(key)) != key:
+            raise ValueError(f"key {key[:20]!r} is not a token id")
+        if self.vocab_size is not None and int(key) >= self.vocab_size:
+            raise ValueError(f"token id {key} is past the vocabulary ({self.vocab_size})")
+        return int(key)
+
+    def checked(self, entries, n):
+        """The prompt_logprobs of n tokens as [(ids, logprobs)] of entries 1 to n - 1,
+        each the top k, best first; a ValueError names what is wrong."""
+        if not isinstance(entries, list) or len(entries) != n:
+            raise ValueError(f"prompt_logprobs is not a list of {n} entries")
+        answer = []
+        for i, entry in enumerate(entries[1:], start=1):  # entry 0 has no context: None
+            if not isinstance(entry, dict) or len(entry) < self.top_k:
+                raise ValueError(f"entry {i} does not hold the top {self.top_k} tokens")
+            top = []
+            for key, value in entry.items():
+                logprob = value.get('logprob') if isinstance(value, dict) else None
+                number = isinstance(logprob, (int, float))
+                # NaN and +inf fail the comparison; -inf (probability 0) is a logprob
+                if not number or not -math.inf <= logprob < math.inf:
+                    raise ValueError(f"entry {i}: key {key[:20]!r} has no logprob")
+                top.append((logprob, self.token(key)))
+            top = sorted(top, key=lambda pair: -pair[0])[:self.top_k]
+            answer.append(([t for _, t in top], [lp for lp, _ in top]))
+        return answer
 
     def post(self, ids):
         body = {'model': self.model, 'prompt': ids, 'max_tokens': 1, 'temperature': 0,
@@ -82,32 +120,27 @@ class RemoteTeacher:
             try:
                 r = requests.post(self.url, json=body, timeout=self.timeout)
                 r.raise_for_status()
-                entries = r.json()['choices'][0]['prompt_logprobs']
-                if len(entries) != len(ids):
-                    raise ValueError(f"{len(entries)} prompt_logprobs "
-                                     f"for {len(ids)} tokens")
-                return entries
+                return self.checked(r.json()['choices'][0]['prompt_logprobs'], len(ids))
             except (requests.RequestException, ValueError, KeyError, IndexError,
                     TypeError) as e:
                 error = e
                 if attempt < self.retries:
                     time.sleep(self.backoff * 2 ** attempt)
-        raise RuntimeError(f"teacher server {self.url} failed after {self.retries + 1} "
-                           f"tries ({error}); check that vLLM serves {self.model!r} "
-                           f"there, with --max-logprobs >= {self.top_k}")
+        tries = self.retries + 1
+        raise SystemExit(f"error: teacher server {self.url} failed after {tries} tries "
+                         f"({error}); check that vLLM serves {self.model!r} there, with "
+                         f"the student's tokenizer and --max-logprobs >= {self.top_k}")
 
     def __call__(self, x, y, hidden=False, qkv_layer=None):
         """Top-k logprobs only
         (the manager refuses objectives that want features from a server)."""
         B, T = x.shape
         ids = torch.zeros(B, T, self.top_k, dtype=torch.long)
-        logprobs = torch.full((B, T, self.top_k), -float('inf'))
+        logprobs = torch.zeros(B, T, self.top_k)
         seqs = torch.cat((x, y[:, -1:].clamp(min=0)), dim=1).tolist()
         for b, seq in enumerate(seqs):
             # entry i + 1 -> student position i
-            for i, entry in enumerate(self.post(seq)[1:]):
-                ranked = sorted(entry.items(), key=lambda kv: -kv[1]['logprob'])
-                top = ranked[:self.top_k]
-                ids[b, i, :len(top)] = torch.tensor([int(k) for k, _ in top])
-                logprobs[b, i, :len(top)] = torch.tensor([v['logprob'] for _, v in top])
+            for i, (top_ids, top_logprobs) in enumerate(self.post(seq)):
+                ids[b, i] = torch.tensor(top_ids)
+                logprobs[b, i] = torch.tensor(top_logprobs)
         return {'topk_ids': ids.to(x.device), 'topk_logprobs': logprobs.to(x.device)}

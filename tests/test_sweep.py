@@ -180,8 +180,10 @@ def test_bad_input_is_one_line_before_any_arm_starts(tmp_path):
     assert not os.path.exists(tmp_path / 'sweep' / 'ok')
     r = run(write_sweep(tmp_path, {'ok': {}, 'fast': {'learning_rate': 'fast'}}))  # checked as train.py checks
     assert r.returncode == 1 and r.stderr == "error: arm 'fast': learning_rate must be float, got 'fast' (str)\n"
-    r = run(write_sweep(tmp_path, {'ok': {}}), '--workers=0')
-    assert r.returncode == 1 and r.stderr.count('\n') == 1 and '--workers=N' in r.stderr
+    r = run(write_sweep(tmp_path, {'ok': {}}), '--workers=0')  # read through configurator.py
+    assert r.returncode == 1 and r.stderr == "error: workers=0 is out of range; set --workers to a value above 0\n"
+    r = run('--workers=2')
+    assert r.returncode == 1 and r.stderr.startswith('usage: python sweep.py SWEEP_FILE | DIR [--workers=N')
     folder = tmp_path / 'sweep'
     os.makedirs(folder)
     json.dump(sweep.new_sweep(write_sweep(tmp_path, {'a': {}})), open(folder / 'sweep.json', 'w'))
@@ -189,3 +191,45 @@ def test_bad_input_is_one_line_before_any_arm_starts(tmp_path):
     assert r.returncode == 1 and r.stderr.count('\n') == 1 and "clone nope" in r.stderr
     r = run(str(folder), 'clone', 'a', 'new', '--learnin_rate=1e-3')
     assert r.returncode == 1 and r.stderr.startswith("error: arm 'new': unknown config key 'learnin_rate'")
+    r = run(str(folder), 'clone', 'a', 'new', '--workers=2')  # what follows a command is the arm's
+    assert r.returncode == 1 and r.stderr == "error: arm 'new': unknown config key 'workers'\n"
+    r = run(str(folder), '--workers=2', 'stop')
+    assert r.returncode == 1 and r.stderr == "error: stop: name an arm, as in stop ARM\n"
+
+
+@pytest.mark.parametrize('key, text', [
+    ('chunks', "out_dir = 'out'\nmax_steps = 8\narms = {'a': {}}\n"),
+    ('max_steps', "out_dir = 'out'\nchunks = 2\nbase = {'max_steps': 8}\narms = {'a': {}}\n"),
+    ('max_steps', "out_dir = 'out'\nmax_steps = 8\nchunks = 2\narms = {'a': {}, 'b': {'max_steps': 4}}\n"),
+    ('max_steps', "out_dir = 'out'\nmax_steps = 8.0\nchunks = 2\narms = {'a': {}}\n"),
+    ('out_dir', "max_steps = 8\nchunks = 2\narms = {'a': {}}\n"),
+    ('out_dir', "out_dir = 'out'\nmax_steps = 8\nchunks = 2\ngrid = {'out_dir': ['x', 'y']}\n"),
+])
+def test_a_sweep_file_must_set_its_own_settings_at_its_top(tmp_path, key, text):
+    path = tmp_path / 'sweep.py'
+    path.write_text(text)
+    r = run(str(path))
+    kind = 'str' if key == 'out_dir' else 'int'
+    assert r.returncode == 1 and 'Traceback' not in r.stderr
+    assert r.stderr == (f"error: {path}: set {key} ({kind}) at the top of the sweep file, once for every arm, "
+                        f"not in base or an arm\n")
+
+
+def test_a_cut_off_command_is_dropped_with_a_warning(tmp_path):
+    folder = tmp_path / 'sweep'
+    os.makedirs(folder)
+    json.dump(sweep.new_sweep(write_sweep(tmp_path, {'a': {}, 'b': {}})), open(folder / 'sweep.json', 'w'))
+    # a crash while the clone was being queued: the file ends mid-line
+    (folder / 'control.jsonl').write_text('["stop", "a"]\n["stop", "b"]\n["clone", "a", "c", "--learn')
+    r = run(str(folder))  # both arms stopped: the sweep applies the commands and has nothing to train
+    assert r.returncode == 0 and 'Traceback' not in r.stderr
+    assert r.stderr == (f"warning: {folder / 'control.jsonl'}: dropped the cut-off line "
+                        f"'[\"clone\", \"a\", \"c\", \"--learn'; queue that command again\n")
+    r = run(str(folder), 'resume', 'a')  # queued on a line of its own, not joined to the cut-off one
+    assert r.returncode == 0 and r.stderr.startswith('warning:') and r.stderr.count('\n') == 1
+    assert (folder / 'control.jsonl').read_text().splitlines()[-2:] == ['["clone", "a", "c", "--learn',
+                                                                        '["resume", "a"]']
+    state = json.load(open(folder / 'sweep.json'))
+    sweep.apply_commands(state)
+    assert {n: a['status'] for n, a in state['arms'].items()} == {'a': 'running', 'b': 'stopped'}
+    assert state['commands'] == 4

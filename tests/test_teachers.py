@@ -1,0 +1,119 @@
+"""teachers.py's RemoteTeacher against a real HTTP server on 127.0.0.1 that answers like vLLM's
+completions endpoint: a reply is checked before use, a bad one is retried as a network error is
+and then refused in one line, and a good one lines up entry i + 1 with student position i."""
+import json
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from teachers import RemoteTeacher
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 50
+
+
+def entry(token, k, trouble):
+    """The top k after `token` (ids token + 1, token + 2, ..., logprobs -1, -2, ...) and the
+    actual token, as vLLM keys them (a string of the id), spoiled as `trouble` says."""
+    top = {str((token + j) % VOCAB): {'logprob': -float(j), 'rank': j} for j in range(1, k + 1)}
+    top.setdefault(str(token), {'logprob': -20.0, 'rank': 40})
+    if trouble == 'word key':
+        top['the'] = top.pop(str(token))
+    if trouble == 'padded key':
+        top['007'] = top.pop(str(token))
+    if trouble == 'past the vocabulary':
+        top[str(VOCAB)] = top.pop(str(token))
+    if trouble == 'too few':
+        top = dict(list(top.items())[:k - 1])
+    if trouble == 'no logprob':
+        top[str(token)] = {'rank': 1}
+    if trouble == 'nan logprob':
+        top[str(token)] = {'logprob': float('nan')}
+    return top
+
+
+def vllm_stub(trouble=None):
+    """A server whose every reply is spoiled as `trouble` says (None: a good one); it counts
+    the requests it gets in server.requests."""
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers['Content-Length'])))
+            self.server.requests += 1
+            ids, k = body['prompt'], body['prompt_logprobs']
+            entries = [None] + [entry(t, k, trouble) for t in ids[1:]]
+            if trouble == 'one entry short':
+                entries = entries[:-1]
+            out = json.dumps({'choices': [{'prompt_logprobs': entries}]}).encode()
+            self.send_response(200)
+            self.send_header('Content-Length', str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(('127.0.0.1', 0), Handler)
+    server.requests = 0
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f'http://127.0.0.1:{server.server_address[1]}'
+
+
+def test_a_good_reply_lines_up_with_the_student_positions():
+    server, url = vllm_stub()
+    try:
+        x = torch.tensor([[3, 7, 11, 49], [0, 1, 2, 3]])
+        y = torch.tensor([[7, 11, 49, 5], [1, 2, 3, 48]])
+        out = RemoteTeacher(url, 'tiny', top_k=3, vocab_size=VOCAB)(x, y)
+    finally:
+        server.shutdown()
+    assert server.requests == 2  # one per sequence
+    # position i predicts y[:, i]: the entry after token y[:, i], best first
+    expect = (y[:, :, None] + torch.arange(1, 4)) % VOCAB
+    assert torch.equal(out['topk_ids'], expect)
+    assert torch.equal(out['topk_logprobs'], -torch.arange(1.0, 4.0).expand(2, 4, 3))
+
+
+@pytest.mark.parametrize('trouble, says', [
+    ('word key', "key 'the' is not a token id"),
+    ('padded key', "key '007' is not a token id"),
+    ('past the vocabulary', f"token id {VOCAB} is past the vocabulary ({VOCAB})"),
+    ('too few', "entry 1 does not hold the top 3 tokens"),
+    ('no logprob', "has no logprob"),
+    ('nan logprob', "has no logprob"),
+    ('one entry short', "prompt_logprobs is not a list of 5 entries"),
+])
+def test_a_bad_reply_is_retried_then_refused_in_one_line(trouble, says):
+    server, url = vllm_stub(trouble)
+    teacher = RemoteTeacher(url, 'tiny', top_k=3, retries=2, backoff=0.01, vocab_size=VOCAB)
+    x = torch.tensor([[3, 7, 11, 49]])
+    try:
+        with pytest.raises(SystemExit) as refused:
+            teacher(x, x)
+    finally:
+        server.shutdown()
+    assert server.requests == 3  # the first try and two retries
+    message = str(refused.value)
+    assert message.startswith(f"error: teacher server {url}/v1/completions failed after 3 tries")
+    assert says in message and 'check that vLLM serves' in message and '\n' not in message
+
+
+@pytest.mark.slow
+def test_a_bad_reply_ends_a_training_run_in_one_line(tmp_path):
+    server, url = vllm_stub('word key')
+    try:
+        r = subprocess.run([sys.executable, 'train.py', f'--teacher={url}', '--teacher_model=tiny',
+                            "--objectives={'kd': {}}", "--curriculum=[(1.0, {'kd': 1.0})]",
+                            '--teacher_top_k=3', '--n_layer=1', '--n_embd=32', '--n_head=2',
+                            '--n_kv_head=1', '--intermediate_size=64', '--batch_size=2',
+                            '--block_size=16', '--max_steps=2', f'--out_dir={tmp_path}'],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+    finally:
+        server.shutdown()
+    assert r.returncode == 1 and 'Traceback' not in r.stderr, r.stderr
+    assert r.stderr.splitlines()[-1].startswith(f"error: teacher server {url}")
+    assert r.stderr.count('error:') == 1
