@@ -40,6 +40,9 @@ from hub import Progress, fetch, local_rank, wait_for
 from tokenizer import chat_template, chat_turns, eos_id, get_tokenizer, render_chat
 
 IGNORE = -100  # a target that does not count: F.cross_entropy's ignore_index
+# the roles render_chat draws as headers and that chat templates know; any other would be
+# drawn just the same, and a misnamed assistant ('bot') would leave nothing to learn
+CHAT_ROLES = ('system', 'user', 'assistant')
 
 
 # -----------------------------------------------------------------------------
@@ -95,47 +98,90 @@ def _start_worker(tokenizer, fmt, field):
     _job = enc, fmt, field, eos_id(enc), chat_template(enc) if fmt == 'chat' else None
 
 
+def _row(raw, where, layout):
+    """A jsonl line as the JSON object it must be."""
+    try:
+        row = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where} is not JSON ({e}); fix or delete that line") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{where} is not a JSON object but {raw.strip()[:40]}; "
+                         f"write each line as {layout}")
+    return row
+
+
+def _text(raw, where, field):
+    """A jsonl line's text, in its field `field`."""
+    row = _row(raw, where, f'{{"{field}": "..."}}')
+    if field not in row:
+        raise ValueError(f"{where} has no field {field!r} ({sorted(row)}); set text_field")
+    if not isinstance(row[field], str):
+        raise ValueError(f"{where}: field {field!r} is not text but "
+                         f"{json.dumps(row[field])[:40]}; write the text there")
+    return row[field]
+
+
+def _turns(raw, where):
+    """A chat line's (role, text) turns, checked here, where the line is known."""
+    row = _row(raw, where, '{"messages": [{"role": "user", "content": "..."}, ...]}')
+    try:
+        turns = chat_turns(row)
+    except (KeyError, TypeError):
+        raise ValueError(f"{where}: a message needs 'role' and 'content' (ShareGPT: 'from' "
+                         f"and 'value'); fix that line") from None
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    for role, text in turns:
+        if role not in CHAT_ROLES:
+            raise ValueError(f"{where}: role {role!r} is not one of {', '.join(CHAT_ROLES)}; "
+                             f"rename it (ShareGPT's human and gpt are read as user and "
+                             f"assistant)")
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: a {role} message is not text but "
+                             f"{json.dumps(text)[:40]}; write the text there")
+    return turns
+
+
 def _tokenize(unit):
-    """In a worker: (split, [(starts a document, text or jsonl line)]) -> tokens (and
-    mask)."""
+    """In a worker: (split, [(where, starts a document, text or jsonl line)]) -> tokens
+    (and mask)."""
     split, items = unit
     enc, fmt, field, eos, template = _job
     parts, masks = [], []
-    for new, raw in items:
+    for where, new, raw in items:
         if fmt == 'chat':
-            tokens, mask = render_chat(enc, chat_turns(json.loads(raw)), template)
+            tokens, mask = render_chat(enc, _turns(raw, where), template)
             parts.append(np.array(tokens, np.uint32))
             masks.append(np.array(mask, np.uint8))
             continue
-        row = json.loads(raw) if fmt == 'jsonl' else {field: raw}
-        if field not in row:
-            raise ValueError(f"a jsonl line has no field {field!r} ({sorted(row)}); "
-                             f"set text_field")
+        text = _text(raw, where, field) if fmt == 'jsonl' else raw
         # encode_to_numpy skips building a Python list; disallowed_special=() reads any
         # special token's text in a document as ordinary text, like encode_ordinary
         doc_start = np.array([eos] * new, np.uint32)
-        ids = enc.encode_to_numpy(row[field], disallowed_special=())
+        ids = enc.encode_to_numpy(text, disallowed_special=())
         parts += [doc_start, ids]
     dtype = np.uint16 if enc.n_vocab <= 1 << 16 else np.uint32
     tokens = np.concatenate(parts).astype(dtype)
-    chars = sum(len(r) for _, r in items)
+    chars = sum(len(r) for _, _, r in items)
     mask = np.concatenate(masks) if masks else None
     return split, chars, tokens, mask
 
 
 def documents(path, fmt):
     """A file's documents: jsonl lines, or text between <|endoftext|> markers
-    (TinyStories)."""
+    (TinyStories); each with where it is (a jsonl line by its number), for the error a
+    bad one ends in."""
     with open(path, encoding='utf-8') as f:
         if fmt != 'text':
-            yield from (line for line in f if line.strip())
+            numbered = enumerate(f, 1)
+            yield from ((f"{path} line {n}", line) for n, line in numbered if line.strip())
             return
         rest = ''
         while block := f.read(1 << 22):
             *docs, rest = (rest + block).split('<|endoftext|>')
-            yield from (d.strip() for d in docs if d.strip())
+            yield from ((path, d.strip()) for d in docs if d.strip())
         if rest.strip():
-            yield rest.strip()
+            yield path, rest.strip()
 
 
 def _units(files, val_files, val_every, fmt, unit):
@@ -144,16 +190,16 @@ def _units(files, val_files, val_every, fmt, unit):
     those of the whole."""
     buffers, sizes, n = {'train': [], 'val': []}, {'train': 0, 'val': 0}, 0
     for split, path in [('train', p) for p in files] + [('val', p) for p in val_files]:
-        for doc in documents(path, fmt):
+        for where, doc in documents(path, fmt):
             n += 1
             to_val = split == 'val' or (not val_files and n % val_every == 0)
             s = 'val' if to_val else 'train'
             pos = 0
             while (fmt == 'text' and len(doc) - pos > unit
                    and (cut := CUT.search(doc, pos + unit))):
-                buffers[s].append((pos == 0, doc[pos:cut.end()]))
+                buffers[s].append((where, pos == 0, doc[pos:cut.end()]))
                 pos = cut.end()
-            buffers[s].append((pos == 0, doc[pos:]))
+            buffers[s].append((where, pos == 0, doc[pos:]))
             sizes[s] += len(doc)
             if sizes[s] >= unit:
                 yield s, buffers[s]
@@ -496,9 +542,10 @@ def preference_pairs(path, enc, block_size, eos):
     and the prompt, and the answer follows, ending with eos; the targets of the prompt
     and of the padding are IGNORE."""
     rows = []
+    layout = '{"prompt": "...", "chosen": "...", "rejected": "..."}'
     with open(path) as f:
         for n, line in enumerate(f, 1):
-            ex = json.loads(line)
+            ex = _row(line, f"{path} line {n}", layout)
             prompt = [eos] + enc.encode_ordinary(ex['prompt'])
             if len(prompt) >= block_size:
                 raise ValueError(f"{path} line {n}: a prompt of {len(prompt)} tokens "

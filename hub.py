@@ -2,11 +2,11 @@
 Downloads from the Hugging Face hub (or any HTTPS server) with nothing but `requests`.
 
 A hub file is a plain HTTPS GET of `{endpoint}/{repo}/resolve/{revision}/{file}`:
-redirects followed, a cut transfer resumed with a Range header, the file written under a
-temporary name and renamed once it matches the sha256 the hub sends for large (LFS)
-files. `HF_ENDPOINT` points elsewhere (a mirror, or the tests' server on 127.0.0.1),
-`HF_TOKEN` reads gated repos and is sent only in the Authorization header (never
-printed), `HF_HUB_OFFLINE=1` forbids the network. Under torchrun only local rank 0
+redirects followed, a stalled or cut transfer resumed with a Range header, the file renamed
+into place once it matches the sha256 the hub sends for large (LFS) files. `HF_ENDPOINT`
+points elsewhere (a mirror, or the tests' server on 127.0.0.1), `HF_TOKEN` reads gated
+repos and goes only in the Authorization header (never printed) to HF_ENDPOINT's own host
+and port. `HF_HUB_OFFLINE=1` forbids the network. Under torchrun only local rank 0
 downloads; the other ranks wait for the file to appear.
 
 Files are cached under ~/.cache/nanobitnet (or NANOBITNET_CACHE). `resolve_model` turns
@@ -20,11 +20,15 @@ import os
 import re
 import sys
 import time
+import urllib.parse
 
 import requests
+import urllib3  # requests' own transport, installed with it: its read errors are raised here
 
 # the files of a model's tokenizer and chat template, which travel with its weights
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'chat_template.jinja')
+# fewer than STALL_BYTES in STALL_SECONDS (or a silent read that long) ends a try: stalled
+STALL_BYTES, STALL_SECONDS = 1 << 16, 30.0
 
 
 class Progress:
@@ -115,6 +119,34 @@ def linked_sha256(response):
     return None
 
 
+def endpoint():
+    return os.environ.get('HF_ENDPOINT', 'https://huggingface.co').rstrip('/')
+
+
+def token_header(url):
+    """HF_TOKEN for the hub's own scheme, host and port only (a data file's URL may point
+    anywhere), and over https only unless the hub is on this machine (a mirror, the tests)."""
+    token = os.environ.get('HF_TOKEN')
+    hub, to = urllib.parse.urlsplit(endpoint()), urllib.parse.urlsplit(url)
+    private = hub.scheme == 'https' or hub.hostname in ('127.0.0.1', 'localhost', '::1')
+    same = (to.scheme, to.hostname, to.port) == (hub.scheme, hub.hostname, hub.port)
+    # requests itself drops the header when a redirect leaves that host or port
+    return {'Authorization': f"Bearer {token}"} if token and private and same else {}
+
+
+def chunks(response):
+    """A response's bytes as they arrive (read1 does not wait for a full chunk), the clock
+    checked after every read: a read timeout alone never trips on a byte a second."""
+    start, moved = time.monotonic(), 0
+    while chunk := response.raw.read1(1 << 16):
+        yield chunk
+        moved += len(chunk)
+        if moved >= STALL_BYTES:
+            start, moved = time.monotonic(), 0
+        elif time.monotonic() - start > STALL_SECONDS:
+            raise requests.ReadTimeout(f"stalled: under {STALL_BYTES} bytes in {STALL_SECONDS}s")
+
+
 def download(url, dest, timeout=60, wait=3600, tries=3):
     """Fetch url to dest once (a file already there is kept); returns dest."""
     if os.path.exists(dest):
@@ -126,14 +158,15 @@ def download(url, dest, timeout=60, wait=3600, tries=3):
         raise DownloadError(f"{url} is not at {dest} and HF_HUB_OFFLINE is set; unset it, {local}")
     os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
     part = dest + '.part'
-    auth = {}
-    if os.environ.get('HF_TOKEN'):
-        auth['Authorization'] = f"Bearer {os.environ['HF_TOKEN']}"
+    # identity: the bytes as stored, so that Range offsets and the sha256 are the file's
+    auth = {**token_header(url), 'Accept-Encoding': 'identity'}
     for attempt in range(tries):
+        time.sleep(attempt)
         have = os.path.getsize(part) if os.path.exists(part) else 0
         headers = {**auth, 'Range': f'bytes={have}-'} if have else auth
         try:
-            with requests.get(url, headers=headers, stream=True, timeout=timeout) as r:
+            limits = (timeout, STALL_SECONDS)  # to connect; between two reads
+            with requests.get(url, headers=headers, stream=True, timeout=limits) as r:
                 sha = linked_sha256(r)
                 code = r.status_code
                 if code in (401, 403):
@@ -154,16 +187,14 @@ def download(url, dest, timeout=60, wait=3600, tries=3):
                 size = have + int(r.headers.get('Content-Length', 0))
                 show = Progress(f"download {os.path.basename(dest)}", size, start=have)
                 with open(part, 'ab' if have else 'wb') as f:
-                    for chunk in r.iter_content(1 << 16):
+                    for chunk in chunks(r):
                         f.write(chunk)
                         have += len(chunk)
                         show(have)
                 show(have, last=True)
             break
-        except (requests.ConnectionError, requests.Timeout,
-                requests.exceptions.ChunkedEncodingError) as e:
+        except (requests.ConnectionError, requests.Timeout, urllib3.exceptions.HTTPError) as e:
             err = type(e).__name__  # a cut transfer: next try resumes from what arrived
-            time.sleep(attempt)
     else:
         raise DownloadError(f"cannot download {url} ({err}); check network, HF_ENDPOINT, {local}")
     if sha:
@@ -177,16 +208,21 @@ def download(url, dest, timeout=60, wait=3600, tries=3):
     return dest
 
 
-def hub_url(repo_id, filename, repo_type='model', revision='main'):
-    endpoint = os.environ.get('HF_ENDPOINT', 'https://huggingface.co').rstrip('/')
+def hub_file(repo_id, filename, repo_type='model', revision='main'):
+    """A hub repo's file: its URL (quoted: a '%' or space stays in the path) and its cache
+    path. Each part (owner, name, revision, the file's folders) must be a plain name."""
+    owner, _, name = repo_id.partition('/')
+    *parts, base = [owner, name, revision, *filename.split('/')]
+    what = f"in hub file {repo_id}@{revision}/{filename}, part"
+    folder = os.path.join(cache_dir(), repo_type + 's', *[plain_name(p, what) for p in parts])
     kind = 'datasets/' if repo_type == 'dataset' else ''
-    return f"{endpoint}/{kind}{repo_id}/resolve/{revision}/{filename}"
+    path = urllib.parse.quote(f"{kind}{repo_id}/resolve/{revision}/{filename}")
+    return f"{endpoint()}/{path}", inside(folder, base, what)
 
 
 def hub_download(repo_id, filename, repo_type='model', revision='main'):
     """A file of a hub repo (model or dataset), cached under cache_dir()."""
-    dest = os.path.join(cache_dir(), repo_type + 's', repo_id, revision, filename)
-    return download(hub_url(repo_id, filename, repo_type, revision), dest)
+    return download(*hub_file(repo_id, filename, repo_type, revision))
 
 
 def fetch(src, folder=None):
@@ -196,13 +232,11 @@ def fetch(src, folder=None):
     m = re.fullmatch(r'hf://(datasets/)?([^/@]+/[^/@]+)(?:@([^/]+))?/(.+)', src)
     if m:
         kind = 'dataset' if m[1] else 'model'
-        repo, revision, name = m[2], m[3] or 'main', m[4]
-        url = hub_url(repo, name, kind, revision)
-        dest = os.path.join(cache_dir(), kind + 's', repo, revision, name)
+        url, dest = hub_file(m[2], m[4], kind, m[3] or 'main')
     elif src.startswith(('http://', 'https://')):
         url = src
         name = re.sub(r'[^\w.-]', '_', src.split('://', 1)[1])
-        dest = os.path.join(cache_dir(), 'urls', name)
+        dest = inside(os.path.join(cache_dir(), 'urls'), name, 'URL as a file name')
     elif os.path.exists(src):
         return src
     else:
@@ -213,6 +247,17 @@ def fetch(src, folder=None):
     return download(url, dest)
 
 
+def shard_names(index, repo_id):
+    """The weight files a sharded model's index lists, each a plain file name: a '../' in
+    one would pick where we write, a '?' (which ends a URL's path) which file we fetch."""
+    with open(index) as f:
+        listed = json.load(f)
+    weight_map = listed.get('weight_map') if isinstance(listed, dict) else None
+    names = list(weight_map.values()) if isinstance(weight_map, dict) else [None]
+    what = f"refusing hub repo {repo_id}: in its index's weight_map, the shard"
+    return sorted({plain_name(name, what) for name in names})
+
+
 def resolve_model(src, revision='main'):
     """A Hugging Face model directory: src itself if it is one, else the hub repo src
     fetched into the cache (config.json, the safetensors weights, single or sharded, the
@@ -221,7 +266,8 @@ def resolve_model(src, revision='main'):
         return src
     if not re.fullmatch(r'[\w.-]+/[\w.-]+', src):
         raise FileNotFoundError(f"{src!r} is neither a model directory nor a hub id (owner/name)")
-    folder = os.path.join(cache_dir(), 'models', src, revision)
+    # the repo's folder in the cache, its id and revision checked on the way
+    folder = os.path.dirname(hub_file(src, 'config.json', 'model', revision)[1])
     done = os.path.join(folder, '.complete')  # which files exist is known only to rank 0
     if os.path.exists(done) or local_rank() != 0:
         wait_for(done, f"download {src}", 3600)
@@ -236,10 +282,7 @@ def resolve_model(src, revision='main'):
 
     get('config.json')
     index = get('model.safetensors.index.json', optional=True)
-    weights = ['model.safetensors']
-    if index:
-        with open(index) as f:
-            weights = sorted(set(json.load(f)['weight_map'].values()))
+    weights = shard_names(index, src) if index else ['model.safetensors']
     for name in weights:
         get(name)
     for name in TOKENIZER_FILES:

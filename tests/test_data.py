@@ -267,6 +267,38 @@ def test_llama3_template_and_missing_chat_tokens():
         tokenizer.chat_turns({'question': 'Hi'})
 
 
+BAD_LINES = {  # a file's lines, the 1-based number of the bad one, and what its error must say
+    'jsonl': ([{'text': 'fine'}, 'just a string', {'text': 'fine too'}], 2,
+              ['is not a JSON object but "just a string"', 'write each line as {"text": "..."}']),
+    'chat': ([CHATS['messages'][0], {'messages': [{'role': 'user', 'content': 'Hi'}, {'role': 'bot', 'content': 'Yo'}]}], 2,
+             ["role 'bot' is not one of system, user, assistant", 'rename it']),
+}
+
+
+@pytest.mark.parametrize('fmt', list(BAD_LINES))
+def test_a_bad_line_names_its_file_and_line(fmt, tmp_path):
+    """A row that is not an object, or a chat role the templates do not know, ends in one line
+    that names the file and the line; a 'bot' used to pass and leave no assistant token to learn."""
+    rows, bad, says = BAD_LINES[fmt]
+    path = tmp_path / 'in.jsonl'
+    path.write_text('\n\n'.join(json.dumps(r) for r in rows))  # blank lines between: still the file's own numbers
+    with pytest.raises(ValueError) as e:
+        data.prepare([str(path)], str(tmp_path / 'out'), 'bytes', fmt, [str(path)], workers=1)
+    msg = str(e.value)
+    assert msg.startswith(f"{path} line {2 * bad - 1}") and all(s in msg for s in says) and '\n' not in msg, msg
+    assert not data.shard_paths(str(tmp_path / 'out'), 'train')
+
+
+def test_a_bad_chat_role_stops_train_py_in_one_line(tmp_path):
+    path = tmp_path / 'chat.jsonl'
+    path.write_text(json.dumps({'conversations': [{'from': 'human', 'value': 'Hi'}, {'from': 'bot', 'value': 'Yo'}]}) + '\n')
+    r = subprocess.run([sys.executable, 'train.py', '--max_steps=1', f'--out_dir={tmp_path / "out"}', '--data_format=chat',
+                        f'--dataset={tmp_path / "d"}', f"--data_files={{'train': '{path}'}}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and r.stderr.strip().count('\n') == 0, r.stderr
+    assert r.stderr.startswith(f"error: data: {path} line 1: role 'bot'") and 'eval_iters' not in r.stderr
+
+
 def test_loader_turns_masks_into_ignored_targets(tmp_path):
     with open(tmp_path / 'chat.jsonl', 'w') as f:
         f.writelines(json.dumps(row) + '\n' for row in CHATS['messages'] * 20)
@@ -441,7 +473,7 @@ def test_data_configs_name_hub_files(name, monkeypatch):
     files = [f for v in scope['data_files'].values() for f in ([v] if isinstance(v, str) else v)]
     for src in files:
         repo, path = re.fullmatch(r'hf://datasets/([^/@]+/[^/@]+)/(.+)', src).groups()
-        assert hub.hub_url(repo, path, 'dataset') == f'https://huggingface.co/datasets/{repo}/resolve/main/{path}'
+        assert hub.hub_file(repo, path, 'dataset')[0] == f'https://huggingface.co/datasets/{repo}/resolve/main/{path}'
     assert len(files) == {'tinystories': 2, 'fineweb': 10, 'sft': 1}[name]
 
 
@@ -489,7 +521,7 @@ def test_prepare_throughput(tmp_path):
         vocab_size=32000, special_tokens=['<|endoftext|>'], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
     tok.save(str(tmp_path / 'tokenizer.json'))
     enc = tokenizer.get_tokenizer(str(tmp_path / 'tokenizer.json'))
-    docs = list(data.documents(path, 'text'))
+    docs = [doc for _, doc in data.documents(path, 'text')]
     mb = os.path.getsize(path) / 1e6
     alone, ours = [], []
     for run in range(3):  # a shared machine: alternate, and take the best of each

@@ -1,11 +1,15 @@
 """hub.py's downloads against a real HTTP server on 127.0.0.1 that plays the Hugging Face hub:
-resolve URLs, LFS redirects with X-Linked-Etag, Range requests, gated files. No mocks."""
+resolve URLs, LFS redirects with X-Linked-Etag, Range requests, gated files; and against hostile
+ones: an index whose names climb out of the cache, servers that should not see the token, a
+server that trickles. No mocks."""
 import hashlib
+import http.server
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -14,7 +18,7 @@ import pytest
 import data
 import hub
 import tokenizer
-from conftest import blob
+from conftest import Hub, blob
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -237,3 +241,177 @@ def test_the_token_never_reaches_a_log(hub_server, tmp_path):
     files = [out / 'log.jsonl', tmp_path / 'wandb.json', *out.glob('ckpt_*/*')]
     seen = [r.stdout + r.stderr for r in runs] + [read(f).decode('latin-1') for f in files]
     assert not [s for s in seen if token in s]
+
+
+# -----------------------------------------------------------------------------
+# hostile hubs and servers
+
+class RealHubPaths(Hub):
+    """The test hub reading paths as the real one does: the query string names no file, so
+    '.../resolve/main/q?/-' serves the file 'q'."""
+
+    def do_GET(self):
+        self.path = self.path.split('?')[0]
+        super().do_GET()
+
+
+def tree(root, skip):
+    """Every file and folder under root except those under skip: path -> (size, mtime)."""
+    found = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(folder, name)
+            if not path.startswith(skip):
+                st = os.lstat(path)
+                found[path] = (st.st_size, st.st_mtime_ns)
+    return found
+
+
+def attack(folder, target):
+    """The shard names of the reported attack: a folder named 'q?' made in the repo's folder, then
+    a name that climbs from it to target. Both fetch the repo's file 'q', since '?' starts the query."""
+    return ['q?/-', 'q?/' + os.path.relpath(target, os.path.join(folder, 'q?'))]
+
+
+@pytest.mark.parametrize('shards', ['attack', 'dots', 'query', 'not str', 'no map'])
+def test_a_hub_index_writes_nothing_outside_its_repo(hub_server, tmp_path, shards):
+    hub_server.RequestHandlerClass = RealHubPaths
+    folder = os.path.join(tmp_path, 'cache', 'models', 'org', 'evil', 'main')
+    pth = os.path.join(tmp_path, 'home', '.local', 'lib', 'python3.11', 'site-packages', 'x.pth')
+    names = {'attack': attack(folder, pth), 'dots': [os.path.relpath(pth, folder)], 'query': ['q?x'],
+             'not str': [5], 'no map': None}[shards]
+    index = {'weight_map': {f't{i}': n for i, n in enumerate(names)} if names else ['q']}
+    for name, body in (('config.json', b'{}'), ('model.safetensors.index.json', json.dumps(index).encode()),
+                       ('q', b'import os; os.system("echo owned")\n')):
+        hub_server.files[f'org/evil/{name}'] = {'body': body}
+    (tmp_path / 'home').mkdir()
+    before = tree(str(tmp_path), str(tmp_path / 'cache'))
+    with pytest.raises((hub.DownloadError, ValueError)) as e:
+        hub.resolve_model('org/evil')
+    msg = str(e.value)
+    assert msg.startswith('refusing hub repo org/evil: ') and 'not a plain file name' in msg and '\n' not in msg
+    assert tree(str(tmp_path), str(tmp_path / 'cache')) == before  # names, sizes, times: untouched
+    assert all(folder.startswith(p + os.sep) for p in tree(str(tmp_path / 'cache'), folder))  # only its parents
+    assert not list(tmp_path.rglob('*.pth')) and not os.path.exists(os.path.join(folder, '.complete'))
+    assert [p for p, _, _ in hub_server.log] == ['/org/evil/resolve/main/config.json',
+                                                '/org/evil/resolve/main/model.safetensors.index.json']
+
+
+def test_repo_ids_revisions_and_file_names_are_refused_before_any_request(hub_server, tmp_path):
+    for bad in (lambda: hub.resolve_model('org/model', revision='../../up'),
+                lambda: hub.hub_download('org/..', 'config.json'),
+                lambda: hub.hub_download('org', 'config.json'),
+                lambda: hub.fetch('hf://datasets/org/data/../../../../up.txt'),
+                lambda: hub.fetch('hf://datasets/org/data@../x.txt'),
+                lambda: hub.fetch('hf://datasets/org/data/dir/a?b')):
+        with pytest.raises(ValueError, match='is not a plain file name; refusing it'):
+            bad()
+    assert not hub_server.log and not os.path.exists(tmp_path / 'cache') and os.listdir(tmp_path) == []
+    url, dest = hub.hub_file('org/model', 'dir/a b%.txt', 'dataset', 'v1')  # quoted, not refused
+    assert url.endswith('/datasets/org/model/resolve/v1/dir/a%20b%25.txt')
+    assert dest == os.path.join(tmp_path, 'cache', 'datasets', 'org', 'model', 'v1', 'dir', 'a b%.txt')
+
+
+class Site(http.server.BaseHTTPRequestHandler):
+    """A plain web server on 127.0.0.1: serves server.pages {path: body}, redirects server.moved
+    {path: URL}, and sends the bodies of server.slow {path: (body, seconds per byte or None for
+    none at all)} slowly, for at most 30 s; logs each request's path and Authorization."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        site = self.server
+        site.log.append((self.path, self.headers.get('Authorization')))
+        if self.path in site.moved:
+            self.send_response(302)
+            self.send_header('Location', site.moved[self.path])
+            self.send_header('Content-Length', '0')
+            return self.end_headers()
+        body, pace = site.slow.get(self.path, (site.pages.get(self.path, b''), 0))
+        self.send_response(200)
+        self.send_header('Content-Length', str(len(body)))
+        self.end_headers()
+        try:
+            if self.path not in site.slow:
+                return self.wfile.write(body)
+            for i in range(30):  # a bounded stall: an unfixed client fails too, late
+                time.sleep(pace or 1)
+                if pace:
+                    self.wfile.write(body[i:i + 1])
+                    self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client gave up, as it should
+
+
+@pytest.fixture
+def sites():
+    """start() -> a new Site server on 127.0.0.1; all are shut down after the test."""
+    started = []
+
+    def start():
+        server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Site)
+        server.pages, server.moved, server.slow, server.log = {}, {}, {}, []
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        started.append(server)
+        return server
+    yield start
+    for server in started:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_token_goes_only_to_the_hub_host_and_port(hub_server, sites, monkeypatch):
+    monkeypatch.setenv('HF_TOKEN', 'secret')
+    hub_server.files['org/data/a.txt'] = {'body': b'from the hub'}
+    hub_server.files['org/data/b.txt'] = {'body': b'from the hub, by another name'}
+    other = sites()
+    other.pages['/c.txt'] = b'from another port'
+    port = hub_server.server_port
+    assert read(hub.fetch(f'http://127.0.0.1:{port}/org/data/resolve/main/a.txt')) == b'from the hub'
+    assert read(hub.fetch(f'http://localhost:{port}/org/data/resolve/main/b.txt')) == b'from the hub, by another name'
+    assert read(hub.fetch(f'http://127.0.0.1:{other.server_port}/c.txt')) == b'from another port'
+    assert [auth for _, _, auth in hub_server.log] == ['Bearer secret', None]  # 'localhost' is another host name
+    assert other.log == [('/c.txt', None)]
+
+    # the hub redirects a file to a server on another port: the redirect carries no token
+    monkeypatch.setenv('HF_ENDPOINT', f'http://127.0.0.1:{(hub_site := sites()).server_port}')
+    hub_site.moved['/org/model/resolve/main/w.bin'] = f'http://127.0.0.1:{other.server_port}/w.bin'
+    other.pages['/w.bin'] = blob(5000)
+    assert read(hub.hub_download('org/model', 'w.bin')) == blob(5000)
+    assert hub_site.log == [('/org/model/resolve/main/w.bin', 'Bearer secret')] and other.log[-1] == ('/w.bin', None)
+
+
+@pytest.mark.parametrize('endpoint, url, sent', [
+    ('https://huggingface.co', 'https://huggingface.co/org/m/resolve/main/x', True),
+    ('https://huggingface.co', 'http://huggingface.co/x', False),  # plain http
+    ('https://huggingface.co', 'https://huggingface.co:8443/x', False),
+    ('https://huggingface.co', 'https://huggingface.co.example.com/x', False),
+    ('https://huggingface.co', 'https://huggingface.co@example.com/x', False),
+    ('https://huggingface.co', 'https://example.com/?https://huggingface.co/x', False),
+    ('http://mirror.example.com', 'http://mirror.example.com/x', False),  # plain http off this machine
+    ('http://[::1]:8080', 'http://[::1]:8080/x', True),
+    ('http://127.0.0.1:8080', 'http://127.0.0.1:8081/x', False),
+])
+def test_which_urls_get_the_token(endpoint, url, sent, monkeypatch):
+    monkeypatch.setenv('HF_ENDPOINT', endpoint)
+    monkeypatch.setenv('HF_TOKEN', 'secret')
+    assert hub.token_header(url) == ({'Authorization': 'Bearer secret'} if sent else {})
+    monkeypatch.delenv('HF_TOKEN')
+    assert hub.token_header(url) == {}
+
+
+@pytest.mark.parametrize('pace', [1.0, None], ids=['a byte a second', 'silent'])
+def test_a_stalled_transfer_fails_within_the_deadline(hub_server, sites, monkeypatch, pace):
+    monkeypatch.setattr(hub, 'STALL_BYTES', 1000)
+    monkeypatch.setattr(hub, 'STALL_SECONDS', 2.0)
+    slow = sites()
+    slow.slow['/big.bin'] = (blob(100_000), pace)
+    start = time.time()
+    with pytest.raises(hub.DownloadError) as e:
+        hub.fetch(f'http://127.0.0.1:{slow.server_port}/big.bin')
+    took = time.time() - start
+    msg = str(e.value)
+    assert re.fullmatch(rf'cannot download http://127.0.0.1:{slow.server_port}/big.bin \(ReadTimeout(Error)?\); .*', msg)
+    assert len(slow.log) == 3  # the normal tries, each ended by the deadline
+    assert took < 20, took  # each try about 2-3 s, and 0 + 1 + 2 s between them; unchecked, 30 s a try
