@@ -21,15 +21,17 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
+import uuid
 
 import torch
 from safetensors import SafetensorError
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict)
 
-from hub import TOKENIZER_FILES, resolve_model
+from hub import TOKENIZER_FILES, inside, resolve_model
 
 STATE = 'train_state.pt'
 MANIFEST = 'manifest.json'
@@ -53,17 +55,38 @@ def fingerprint(path):
 
 
 def damage(ckpt):
-    """What is wrong with a checkpoint, or None when every file its manifest.json names
-    has the size and sha256 recorded there."""
+    """What is wrong with a checkpoint, or None when its manifest.json lists exactly
+    the files beside it, each with the size and sha256 recorded there. A manifest may
+    come from a bucket or a copied folder, so it is hostile until checked: an object of
+    plain file names to [size, sha256], nothing missing, nothing left out. Sizes are
+    compared before any hashing, so that an endless or a huge file is never read."""
     try:
         with open(os.path.join(ckpt, MANIFEST)) as f:
             manifest = json.load(f)
-        for name, recorded in manifest.items():
-            if fingerprint(os.path.join(ckpt, name)) != recorded:
-                return (f"{name} is damaged "
-                        f"(its size or sha256 is not the one in {MANIFEST})")
-    except (OSError, ValueError, TypeError) as e:
+    except (OSError, ValueError) as e:
         return f"no readable {MANIFEST} ({type(e).__name__}: {e})"
+    if not isinstance(manifest, dict) or not manifest:
+        return f"{MANIFEST} is not an object naming the checkpoint's files"
+    for name, recorded in manifest.items():
+        try:
+            inside(ckpt, name, f"{MANIFEST} entry")
+        except ValueError as e:
+            return str(e)
+        shaped = isinstance(recorded, list) and len(recorded) == 2
+        if not (shaped and type(recorded[0]) is int and isinstance(recorded[1], str)):
+            return f"{MANIFEST} records {name!r} as something else than [size, sha256]"
+    present = set(os.listdir(ckpt)) - {MANIFEST}
+    odd = sorted(set(manifest) ^ present)  # named but missing, or there but not named
+    if odd:
+        return (f"{MANIFEST} does not list exactly the files there "
+                f"({odd[0]!r} and {len(odd) - 1} more)")
+    for name, (size, _) in manifest.items():
+        info = os.lstat(os.path.join(ckpt, name))  # a symlink is no file of a checkpoint
+        if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+            return f"{name} is damaged (not a file of the size in {MANIFEST})"
+    for name, recorded in manifest.items():
+        if fingerprint(os.path.join(ckpt, name)) != recorded:
+            return f"{name} is damaged (its sha256 is not the one in {MANIFEST})"
     return None
 
 
@@ -192,12 +215,33 @@ def resume(folder, rank0=True):
     return ckpt, torch.load(os.path.join(ckpt, STATE), weights_only=True)
 
 
+def run_id(state):
+    """The run's id: the one its resumed training state carries, else a new one. It stays
+    with the run across resumes and marks the upload prefix the run owns (remote.py)."""
+    return (state or {}).get('run_id') or uuid.uuid4().hex
+
+
 def truncate_log(path, step):
-    """Drop the lines of a run's log.jsonl past `step`, where it resumes."""
-    if os.path.exists(path):
-        kept = [line for line in open(path) if json.loads(line)['step'] <= step]
-        with open(path, 'w') as f:
-            f.writelines(kept)
+    """Drop the lines of a run's log.jsonl past `step`, where it resumes. A line that is
+    no record (the last one, cut off by a crash mid-write) is dropped with a warning."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get('step'), int):
+            print(f"warning: {path}: line {number} is cut off or no record; dropping it",
+                  file=sys.stderr)
+            continue
+        if record['step'] <= step:
+            kept.append(line.rstrip('\n') + '\n')  # the next record on a line of its own
+    with open(path, 'w') as f:
+        f.writelines(kept)
 
 
 def rng_state(device_type):

@@ -3,26 +3,31 @@ Checkpoints that leave the machine: every checkpoint train.py writes is uploaded
 object storage in the background, and a run resumes from the newest complete one there:
 
     python train.py --upload_to=s3://bucket/run   # or gs://, hf://user/repo, file:///
-    python train.py --init_from=s3://bucket/run   # anywhere, the local out_dir gone
+    python train.py --init_from=s3://bucket/run   # anywhere, into an empty out_dir
 
-Under the URL: ckpt_XXXXXXX/ (a checkpoint's files, its manifest.json last, so that a
-checkpoint without one is incomplete), then `latest` and `best` (the names of those
-checkpoints); the remote keeps the checkpoints the local out_dir keeps. s3:// goes
-through boto3, any other URL through fsspec (gcsfs for gs://, huggingface_hub for
-hf://): the clients are imported only when a URL needs one (requirements-remote.txt).
-Credentials come from each cloud's own environment and files (AWS_ACCESS_KEY_ID, ~/.aws,
-AWS_ENDPOINT_URL, ...); no message here names them, and any such value found in an error
-is masked.
+Under the URL: ckpt_XXXXXXX/ (a checkpoint's files, its manifest.json last: one without
+it is incomplete), as many as out_dir keeps; `latest` and `best` (their names, for
+people); `owner`, the id of the run that owns the URL (kept across resumes), so that runs
+never delete each other's checkpoints. Every name a listing gives, and every manifest
+(checkpoint.damage), is checked before use. s3:// goes through boto3, any other URL
+through fsspec (gcsfs for gs://, huggingface_hub for hf://), each imported only when a
+URL needs it (requirements-remote.txt). Credentials come from each cloud's own
+environment and files (AWS_ACCESS_KEY_ID, ~/.aws, AWS_ENDPOINT_URL, ...); no message here
+names them, and any such value found in an error is masked.
 """
 import os
+import re
 import shutil
 import sys
 import threading
 import time
 
 import checkpoint
+from hub import inside, plain_name
 
 SECRET_WORDS = ('KEY', 'SECRET', 'TOKEN', 'PASSWORD', 'CREDENTIAL')
+CKPT = re.compile(r'ckpt_\d{7}')  # a checkpoint's folder, as checkpoint.save names it
+OWNER = 'owner'
 
 
 def masked(error):
@@ -60,6 +65,13 @@ class S3:
     def get(self, name, path):
         self.client.download_file(self.bucket, self.prefix + name, path)
 
+    def get_text(self, name):
+        try:
+            reply = self.client.get_object(Bucket=self.bucket, Key=self.prefix + name)
+            return reply['Body'].read(1024).decode(errors='replace')  # owner: a short id
+        except self.client.exceptions.NoSuchKey:
+            return None
+
     def names(self):
         pages = self.client.get_paginator('list_objects_v2').paginate(
             Bucket=self.bucket, Prefix=self.prefix)
@@ -90,6 +102,12 @@ class Fsspec:
     def get(self, name, path):
         self.fs.get_file(f'{self.root}/{name}', path)
 
+    def get_text(self, name):
+        try:
+            return self.fs.cat_file(f'{self.root}/{name}', end=1024).decode(errors='replace')
+        except FileNotFoundError:
+            return None
+
     def names(self):
         return [p[len(self.root) + 1:] for p in self.fs.find(self.root)]
 
@@ -97,34 +115,62 @@ class Fsspec:
         self.fs.rm_file(f'{self.root}/{name}')
 
 
-def open_store(url):
-    """The store behind a URL, checked now: a missing bucket or a wrong credential ends
-    the run in one line, before any training step."""
+def listing(names):
+    """A store's names as {checkpoint: its file names}, and the stray ones, never fetched
+    or deleted: neither ckpt_XXXXXXX/<a plain file name> nor latest, best or owner."""
+    files, stray = {}, []
+    for name in names:
+        folder, _, file = name.partition('/')
+        try:
+            usable = CKPT.fullmatch(folder) and plain_name(file)
+        except ValueError:
+            usable = None
+        if usable:
+            files.setdefault(folder, []).append(file)
+        elif name not in ('latest', 'best', OWNER):
+            stray.append(name)
+    return files, stray
+
+
+def open_store(url, run_id=None):
+    """The store behind a URL, checked now: a missing bucket, a wrong credential or (given
+    a run's id) a URL that another run owns, or that holds checkpoints and no owner, ends
+    the run in one line, before any training step: uploads there would delete them."""
     try:
         store = S3(url) if url.startswith('s3://') else Fsspec(url)
         store.check()
+        if run_id and store.get_text(OWNER) is None and not listing(store.names())[0]:
+            store.put_text(run_id, OWNER)
+        owner = store.get_text(OWNER) if run_id else None  # read back: a claim may race
     except ImportError as e:
         raise SystemExit(f"error: {url} needs {e.name}: pip install -r requirements-remote.txt")
     except Exception as e:
         raise SystemExit(f"error: cannot use {url} ({masked(e)}); check the bucket, "
                          "the path and the credentials") from None
+    if owner != run_id:
+        raise SystemExit(f"error: {url} belongs to another run; set another "
+                         f"--upload_to, or resume that run with --init_from={url}")
     return store
 
 
-def upload(store, ckpt, kept, best):
-    """One checkpoint: its files, its manifest last; then `latest` and `best`; then the
-    remote checkpoints the local folder no longer keeps, manifest first."""
+def upload(store, ckpt, kept, best, run_id):
+    """One checkpoint: its files, manifest last; `latest` and `best`; then the checkpoints
+    out_dir no longer keeps, manifest first. False when another run owns the URL now."""
+    if store.get_text(OWNER) != run_id:
+        return False
     name = os.path.basename(ckpt)
-    files = sorted(os.listdir(ckpt), key=lambda f: f == checkpoint.MANIFEST)
-    for f in files:
+    for f in sorted(os.listdir(ckpt), key=lambda f: f == checkpoint.MANIFEST):
         store.put(os.path.join(ckpt, f), f'{name}/{f}')
     store.put_text(name, 'latest')
     if best:
         store.put_text(best, 'best')
-    keep = set(kept) | {name}
-    gone = [n for n in store.names() if n.startswith('ckpt_') and n.split('/')[0] not in keep]
-    for n in sorted(gone, key=lambda n: not n.endswith(checkpoint.MANIFEST)):
-        store.delete(n)
+    if store.get_text(OWNER) != run_id:  # asked again: no deletion can be undone
+        return False
+    remote = listing(store.names())[0]
+    for old in sorted(set(remote) - set(kept) - {name}):
+        for f in sorted(remote[old], key=lambda f: f != checkpoint.MANIFEST):
+            store.delete(f'{old}/{f}')
+    return True
 
 
 class Uploader:
@@ -134,9 +180,11 @@ class Uploader:
     errors are retried with backoff; one that outlives the retries is one warning line, and
     the next checkpoint tries again."""
 
-    def __init__(self, url, retries=4, backoff=1.0):
-        self.url, self.retries, self.backoff = url.rstrip('/'), retries, backoff
-        self.store = open_store(url)
+    def __init__(self, url, run_id, retries=4, backoff=1.0):
+        self.url, self.run_id = url.rstrip('/'), run_id
+        self.retries, self.backoff = retries, backoff
+        self.store = open_store(self.url, run_id)
+        self.lost = False
         self.wake = threading.Condition()
         self.pending, self.busy, self.closing, self.uploaded = None, False, False, None
         self.thread = threading.Thread(target=self.loop, daemon=True)
@@ -163,7 +211,8 @@ class Uploader:
                 if not self.pending:
                     return
                 job, self.pending, self.busy = self.pending, None, True
-            self.attempt(*job)
+            if not self.lost:  # another run took the URL: leave it alone
+                self.attempt(*job)
             shutil.rmtree(job[0], ignore_errors=True)
             with self.wake:
                 self.busy = False
@@ -177,8 +226,12 @@ class Uploader:
     def attempt(self, staged, kept, best):
         for i in range(self.retries + 1):
             try:
-                upload(self.store, staged, kept, best)
-                self.uploaded = os.path.basename(staged)
+                if upload(self.store, staged, kept, best, self.run_id):
+                    self.uploaded = os.path.basename(staged)
+                    return
+                self.lost = True
+                print(f"warning: {self.url} belongs to another run now; this run "
+                      "uploads nothing more there and deletes nothing", file=sys.stderr)
                 return
             except Exception as e:  # the clients raise many kinds; each is retried
                 error = masked(e)
@@ -200,25 +253,39 @@ class Uploader:
 
 
 def download_latest(url, folder):
-    """Copy the newest complete checkpoint under `url` into `folder`, verified against its
-    manifest; a damaged one is skipped for the one before. Returns its local path."""
+    """Copy the newest complete checkpoint under `url` into `folder`, which holds none
+    (else a resume would take the newest there), verified against its manifest before it
+    is renamed into place; a damaged one is skipped for the one before. Returns its path."""
+    held = checkpoint.checkpoints(folder)
+    if held:
+        name = os.path.basename(held[-1])
+        raise SystemExit(f"error: {folder} already holds {name}; --init_from=URL starts "
+                         "in an empty out_dir: set a new --out_dir, or --init_from=resume")
+    url = url.rstrip('/')
     store = open_store(url)
-    names = store.names()
-    complete = {n.split('/')[0] for n in names if n.endswith('/' + checkpoint.MANIFEST)}
+    files, stray = listing(store.names())
+    if stray:
+        print(f"warning: skipping {len(stray)} name(s) under {url} that are not "
+              f"a checkpoint's file, such as {stray[0]!r}", file=sys.stderr)
+    complete = [ckpt for ckpt in files if checkpoint.MANIFEST in files[ckpt]]
+    tmp = os.path.join(folder, '.tmp_download')  # ours: a killed download's is removed
     for ckpt in sorted(complete, reverse=True):
-        tmp, final = os.path.join(folder, '.tmp_' + ckpt), os.path.join(folder, ckpt)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        for n in [n for n in names if n.startswith(ckpt + '/')]:
-            store.get(n, os.path.join(tmp, n[len(ckpt) + 1:]))
+        try:
+            for f in files[ckpt]:
+                store.get(f'{ckpt}/{f}', inside(tmp, f))
+        except Exception as e:  # the clients raise many kinds
+            raise SystemExit(f"error: cannot download {url}/{ckpt} ({masked(e)}); "
+                             "check the network and run again") from None
         damage = checkpoint.damage(tmp)
         if damage is None:
-            shutil.rmtree(final, ignore_errors=True)
+            final = os.path.join(folder, ckpt)
             os.replace(tmp, final)
-            print(f"downloaded {url.rstrip('/')}/{ckpt} to {final}")
+            print(f"downloaded {url}/{ckpt} to {final}")
             return final
-        print(f"warning: {url.rstrip('/')}/{ckpt} is damaged ({damage}); trying the one "
-              "before", file=sys.stderr)
+        print(f"warning: {url}/{ckpt} is damaged ({damage}); trying the one before",
+              file=sys.stderr)
         shutil.rmtree(tmp)
     raise SystemExit(f"error: no complete checkpoint under {url}; train first, or set "
                      "--init_from=scratch")
