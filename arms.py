@@ -22,12 +22,13 @@ REQUIRED = {'out_dir': str, 'max_steps': int, 'chunks': int}  # the sweep's, for
 
 @functools.cache  # train.py's text is run once per sweep, not once per arm
 def defaults():
-    """train.py's settings and their defaults: its text run up to where it collects them."""
+    """train.py's settings with their defaults, and their ranges: its text run up to where
+    it reads its arguments."""
     with open(os.path.join(ROOT, 'train.py')) as f:
         text = f.read()
     scope = {}
-    exec(text[:text.index('\nconfig = ')], scope)
-    return {k: v for k, v in scope.items() if k not in scope['_imported'] and k[0] != '_'}
+    exec(text[:text.index('\nconfig = configure(')], scope)
+    return scope['config'], scope['ranges']
 
 
 def checked(arm, args):
@@ -36,7 +37,8 @@ def checked(arm, args):
         raise SystemExit(f"error: arm {arm!r}: an arm's name is its folder's; "
                          f"rename it without {os.sep!r} or a leading '.'")
     try:
-        configure(dict(defaults()), args)  # a copy: configure fills it in
+        settings, ranges = defaults()
+        configure(dict(settings), args, ranges)  # a copy: configure fills it in
     except SystemExit as e:
         raise SystemExit(f"error: arm {arm!r}: {str(e).removeprefix('error: ')}") from None
     return args

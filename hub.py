@@ -74,9 +74,10 @@ class DownloadError(OSError):
 def plain_name(name, what='file name'):
     """A name from outside (an object key's part, a manifest entry, a shard name) checked
     to be one plain file name: no folder separator, no '..', no query or fragment mark, no
-    drive, nothing hidden or empty. Raises ValueError that says what came."""
+    drive, no control character, nothing hidden or empty; else a ValueError naming it."""
     bad = (not isinstance(name, str) or name in ('', '.', '..') or name.startswith('.')
-           or any(c in name for c in '/\\?#:\0') or name != name.strip())
+           or any(c in name for c in '/\\?#:') or not name.isprintable()
+           or name != name.strip())
     if bad:
         raise ValueError(f"{what} {name!r} is not a plain file name; refusing it")
     return name

@@ -134,12 +134,12 @@ def listing(names):
 
 def open_store(url, run_id=None):
     """The store behind a URL, checked now: a missing bucket, a wrong credential or (given
-    a run's id) a URL that another run owns, or that holds checkpoints and no owner, ends
-    the run in one line, before any training step: uploads there would delete them."""
+    a run's id) a URL whose checkpoints belong to another run, or to no run, ends the run in
+    one line before any training step. A URL without checkpoints is the run's to claim."""
     try:
         store = S3(url) if url.startswith('s3://') else Fsspec(url)
         store.check()
-        if run_id and store.get_text(OWNER) is None and not listing(store.names())[0]:
+        if run_id and not listing(store.names())[0]:
             store.put_text(run_id, OWNER)
         owner = store.get_text(OWNER) if run_id else None  # read back: a claim may race
     except ImportError as e:

@@ -31,7 +31,7 @@ from bitlinear import TARGETS, set_lambda
 from configurator import configure
 from data import Batches, offline_corpus, preference_pairs, setup_data
 from engine import complete
-from eval import loss_sums, token_bytes, zero_shot
+from eval import check_tasks, loss_sums, token_bytes, zero_shot
 from hub import Progress
 from lora import attach_lora, load_adapters, save_adapters, set_adapters
 from model import ModelConfig, Transformer
@@ -149,8 +149,43 @@ seed = 1337
 peak_flops = 989e12    # for MFU: the accelerator's dense bf16 peak (H100 SXM)
 # -----------------------------------------------------------------------------
 config = {k: v for k, v in globals().items() if k not in _imported and k[0] != '_'}
-config = configure(config, sys.argv[1:])  # config files, then --key=value
+# the settings with a range, checked with the types before any work starts
+ranges = {'eval_interval': 'positive', 'eval_iters': 'positive', 'log_interval': 'positive',
+          'ckpt_interval': 'non-negative', 'keep_last': 'positive', 'patience': 'non-negative',
+          'min_delta': 'non-negative', 'sample_tokens': 'non-negative',
+          'data_format': ('text', 'jsonl', 'chat', 'tokens'), 'remix_interval': 'non-negative',
+          'remix_eta': 'positive', 'remix_floor': 'fraction', 'batch_size': 'positive',
+          'block_size': 'positive', 'gradient_accumulation_steps': 'positive',
+          'n_layer': 'positive', 'n_embd': 'positive', 'n_head': 'positive',
+          'n_kv_head': 'positive', 'intermediate_size': 'positive', 'act': ('silu', 'relu2'),
+          'rope_theta': 'positive', 'lambda_warmup': 'fraction', 'subln_calib': 'positive',
+          'lrc_rank': 'non-negative', 'lora_rank': 'non-negative', 'lora_alpha': 'positive',
+          'blend': ('switch', 'linear', 'cosine'), 'teacher_top_k': 'positive',
+          'optimizer': ('adamw', 'muon'), 'max_steps': 'positive', 'stop_after': 'non-negative',
+          'learning_rate': 'positive', 'embed_lr': 'non-negative', 'head_lr': 'non-negative',
+          'scalar_lr': 'non-negative', 'min_lr': 'non-negative', 'schedule': SCHEDULES,
+          'warmup_steps': 'non-negative', 'decay_frac': 'fraction',
+          'weight_decay': 'non-negative', 'beta1': 'fraction', 'beta2': 'fraction',
+          'grad_clip': 'non-negative', 'zclip_z': 'positive', 'nan_patience': 'positive',
+          'dtype': ('float32', 'bfloat16', 'float16'), 'peak_flops': 'positive'}
+config = configure(config, sys.argv[1:], ranges)  # config files, then --key=value
 globals().update(config)
+try:  # zero-shot tasks are fetched (by one process a machine) and checked now
+    if os.environ.get('LOCAL_RANK', '0') == '0':
+        check_tasks(eval_tasks)
+except (OSError, ValueError) as e:
+    sys.exit(f"error: eval_tasks: {e}")
+try:
+    os.makedirs(out_dir, exist_ok=True)
+except OSError as e:
+    sys.exit(f"error: cannot make out_dir={out_dir!r} ({e.strerror}); set --out_dir to a "
+             f"folder this run can write")
+if not os.access(out_dir, os.W_OK):
+    sys.exit(f"error: out_dir={out_dir!r} is not writable; set --out_dir to a folder this "
+             f"run can write")
+
+if device.startswith('cuda') and not torch.cuda.is_available():
+    sys.exit(f"error: device={device!r}, but this torch sees no CUDA GPU; set --device=cpu")
 
 # DDP: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE
 ddp = 'RANK' in os.environ
@@ -179,16 +214,12 @@ if lora_rank and (init_from == 'scratch' or fsdp or lambda_warmup or unknown):
     sys.exit(f"error: lora_rank={lora_rank} adapts a trained model: set init_from, "
              f"lora_targets among {','.join(TARGETS)}, and no fsdp or lambda_warmup")
 device_type = 'cuda' if device.startswith('cuda') else 'cpu'
-ptdtype = {k: getattr(torch, k) for k in ('float32', 'bfloat16', 'float16')}.get(dtype)
-if ptdtype is None:
-    sys.exit(f"error: dtype={dtype!r} is not one of float32, bfloat16, float16")
+ptdtype = getattr(torch, dtype)
 ctx = nullcontext()
 if ptdtype != torch.float32:
     ctx = torch.autocast(device_type, dtype=ptdtype)
 torch.manual_seed(seed + rank)  # e.g. diffusion's masks (batches have seeds of their own)
-os.makedirs(out_dir, exist_ok=True)
 commit = checkpoint.git_commit()  # saved with every checkpoint
-uploader = Uploader(upload_to) if upload_to and master else None  # checked now
 if '://' in init_from:  # a storage URL: its newest complete checkpoint, then a resume
     if local_rank == 0:
         download_latest(init_from, out_dir)
@@ -217,6 +248,8 @@ if init_from == 'resume':
 elif init_from != 'scratch':
     start = located(init_from)
 base = state['base'] if state and lora_rank else start  # LoRA checkpoints: adapters only
+run_id = checkpoint.run_id(state)  # kept across resumes: the run's upload URL is its own
+uploader = Uploader(upload_to, run_id) if upload_to and master else None  # checked now
 
 
 # data: the offline corpus, or token shards data.py prepares once (local rank 0). A
@@ -304,7 +337,8 @@ if master:
 # objectives and the teacher they distil from
 teacher_net = None
 if teacher.startswith(('http://', 'https://')):
-    teacher_net = RemoteTeacher(teacher, teacher_model, top_k=teacher_top_k)
+    teacher_net = RemoteTeacher(teacher, teacher_model, top_k=teacher_top_k,
+                                vocab_size=raw_model.config.vocab_size)
 elif teacher:
     teacher_net = LocalTeacher(load(located(teacher)), device, ptdtype)
 elif lora_rank:  # the base itself: the student, adapters off (DPO's, GRPO's reference)
@@ -345,9 +379,6 @@ elif auto_batch:
           f"{gradient_accumulation_steps} accumulation steps")
 
 # optimizers, the fp16 gradient scaler, ZClip, and everything a resumed run restores
-if optimizer not in ('adamw', 'muon') or schedule not in SCHEDULES:
-    sys.exit(f"error: optimizer={optimizer!r} / schedule={schedule!r}; "
-             f"use adamw or muon / {', '.join(SCHEDULES)}")
 scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)
 
 
@@ -469,7 +500,7 @@ def save_checkpoint(step, data_state):
         state = dict(step=step, best_val=best_val, best_step=best_step,
                      bad_evals=bad_evals, base=base, optimizers=opts,
                      scaler=scaler.state_dict(), rng=rngs, config=config, commit=commit,
-                     zclip=zclip_state, tokenizer=tokenizer_name)
+                     zclip=zclip_state, tokenizer=tokenizer_name, run_id=run_id)
         # the Hugging Face directory; with LoRA, the adapters alone (PEFT's layout)
         write = functools.partial(raw_model.save_pretrained, state_dict=weights)
         if lora_rank:

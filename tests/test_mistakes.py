@@ -10,6 +10,7 @@ import sys
 import zipfile
 
 import pytest
+import torch
 
 import eval
 
@@ -41,6 +42,9 @@ def world(tmp_path_factory):
     (root / 'max_steps_in_base.py').write_text(f"out_dir = {str(root / 'sw2')!r}\n"
                                                "max_steps = 4\nchunks = 2\n"
                                                "base = {'max_steps': 8}\narms = {'a': {}}\n")
+    (root / 'arm_out_of_range.py').write_text(f"out_dir = {str(root / 'sw3')!r}\n"
+                                              "max_steps = 4\nchunks = 2\n"
+                                              "arms = {'a': {'learning_rate': 0.0}}\n")
     return root
 
 
@@ -71,6 +75,7 @@ MISTAKES = [  # (script and arguments, what the one line must name)
     ('train.py --optimizer=sgd', 'optimizer'),
     ('train.py --data_format=xml', 'data_format'),
     ('train.py --out_dir=/proc/x', 'out_dir'),
+    ('train.py --device=cuda', 'device'),
     ("train.py --eval_tasks=['bogus']", 'bogus'),
     ("train.py --eval_tasks=['arc_easy:many']", 'arc_easy:many'),
     ('train.py --learning_rat=1e-3', 'learning_rate'),
@@ -89,6 +94,7 @@ MISTAKES = [  # (script and arguments, what the one line must name)
     ('sweep.py {root}/no_chunks.py', 'chunks'),
     ('sweep.py {root}/max_steps_in_base.py', 'max_steps'),
     ('sweep.py {root}/no_chunks.py --workers=0', 'workers'),
+    ('sweep.py {root}/arm_out_of_range.py', "arm 'a': learning_rate=0.0"),
     ('rl.py --ckpt=x --max_new_tokens=0', 'max_new_tokens'),
     ('rl.py --ckpt=x --seeds=one', 'seeds'),
     ('bench.py kernals', 'kernals'),
@@ -98,6 +104,8 @@ MISTAKES = [  # (script and arguments, what the one line must name)
 
 @pytest.mark.parametrize('command,names', MISTAKES, ids=[m[0].split(' --data')[0] for m in MISTAKES])
 def test_a_mistake_is_one_line_and_touches_nothing(world, command, names):
+    if 'cuda' in command and torch.cuda.is_available():
+        pytest.skip('a GPU is here: device=cuda is no mistake')
     before = tree(world / 'out')
     script, *args = [a.replace('{root}', str(world)) for a in command.split(' ')]
     if script == 'train.py' and not any(a.startswith('--out_dir') for a in args):

@@ -362,6 +362,18 @@ def test_an_uploader_whose_url_another_run_took_deletes_nothing_and_warns_once(s
     assert 'ckpt_0000003/manifest.json' not in files
 
 
+def test_a_url_without_checkpoints_is_claimed_and_one_with_another_runs_is_refused(s3_env):
+    """A run that stopped before its first save left only its owner: the next run claims the
+    URL. Once that URL holds a checkpoint, a third run is refused and the owner stays."""
+    put(s3_env, 'claim/', {'owner': b'stopped-early'})
+    remote.open_store('s3://runs/claim', 'next')
+    assert remote_files(s3_env, 'claim/') == {'owner': b'next'}
+    put(s3_env, 'claim/', {'ckpt_0000001/manifest.json': b'{}'})
+    with pytest.raises(SystemExit, match='error: s3://runs/claim belongs to another run'):
+        remote.open_store('s3://runs/claim', 'third')
+    assert remote_files(s3_env, 'claim/')['owner'] == b'next'
+
+
 @pytest.mark.slow
 def test_a_run_owns_its_upload_url_and_another_is_refused_before_training(s3, tmp_path):
     """Run A uploads with keep_last=1; run B (from scratch) under the same URL is refused in one
