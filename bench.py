@@ -205,14 +205,18 @@ def hf_peer(model):
         return transformers.AutoModelForCausalLM.from_pretrained(d).to(device).train()
 
 
-def stepper(model):
-    """step(x, y) -> loss: fp32 forward, cross-entropy, backward, fused AdamW step."""
+def stepper(model, dtype='float32'):
+    """step(x, y) -> loss: forward (under autocast unless fp32, as train.py runs it),
+    cross-entropy, backward, fused AdamW step."""
     opt = torch.optim.AdamW(model.parameters(), lr=1.5e-3, betas=(0.9, 0.95),
                             weight_decay=0.1, fused=True)
+    ctx = torch.autocast(device, getattr(torch, dtype), enabled=dtype != 'float32')
 
     def step(x, y):
-        out = model(x)
-        loss = F.cross_entropy(getattr(out, 'logits', out).flatten(0, 1), y.flatten())
+        with ctx:
+            out = model(x)
+            logits = getattr(out, 'logits', out)
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -220,7 +224,7 @@ def stepper(model):
     return step
 
 
-def saved_mib(model, x):
+def saved_mib(model, x, dtype='float32'):
     """MiB saved for backward (storages once, no params): all, in (Auto)BitLinears."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved, at = [], ['model']  # (weak ref, where saved); where the forward is now
@@ -232,7 +236,8 @@ def saved_mib(model, x):
         return t
     hooks = ([m.register_forward_pre_hook(lambda *_: at.append('bit')) for m in bits] +
              [m.register_forward_hook(lambda *_: at.pop() and None) for m in bits])
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    autocast = torch.autocast(device, getattr(torch, dtype), enabled=dtype != 'float32')
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
         out = model(x)  # kept: the graph, and what it saved, lives as long as its output
     storages = [(t.untyped_storage(), w) for r, w in saved if (t := r()) is not None]
     live = {s.data_ptr(): (s.nbytes(), w) for s, w in storages if s.data_ptr() not in params}
@@ -249,6 +254,13 @@ def bench_train(rounds=6):
     # without transformers (a test-only extra) its rows are left out
     peers = {'HF BitNet': True, 'HF Llama': False} if find_spec('transformers') else {}
     kinds = {'ours': True, 'reference': True, 'fp twin': False} | peers  # is it ternary?
+    # as train.py trains: bf16 autocast on a GPU; on the CPU fp32 (its default) and bf16
+    for dtype in ['bfloat16'] if device == 'cuda' else ['float32', 'bfloat16']:
+        train_table(sizes, kinds, peers, dtype, rounds)
+
+
+def train_table(sizes, kinds, peers, dtype, rounds):
+    """bench_train's table for one dtype."""
     res, head, rng = {}, [], torch.Generator()
     for size, (cfg, B, T) in sizes.items():
         xy = torch.randint(cfg['vocab_size'], (2, B, T), generator=rng.manual_seed(0))
@@ -259,7 +271,7 @@ def bench_train(rounds=6):
             model = Transformer(ModelConfig(**cfg, bitnet=kinds[kind])).to(device)
             is_peer = kind in peers
             model = hf_peer(model) if is_peer else use_reference(model, kind == 'reference')
-            steps[kind], mem[kind] = stepper(model), saved_mib(model, x)
+            steps[kind], mem[kind] = stepper(model, dtype), saved_mib(model, x, dtype)
 
         def run(kind):
             if device == 'cuda':
@@ -272,7 +284,7 @@ def bench_train(rounds=6):
         n_params = sum(p.numel() for p in model.parameters())
         head.append(f"{size}: {n_params / 1e6:.1f}M, {B} x {T}")
     cols = f"{'ms':>10}{'saved MiB':>10}{'in BitLin':>10}" + f"{'peak MiB':>10}" * (device != 'cpu')
-    print(f"\ntraining step (forward, backward, fused AdamW; fp32), best of {rounds}, "
+    print(f"\ntraining step (forward, backward, fused AdamW; {dtype}), best of {rounds}, "
           "models in turns. ours: int8 Function,\nreference: BitLinear.reference, HF "
           "BitNet: AutoBitLinear online. saved: MiB held for backward (parameters "
           "left\nout); in BitLin: the part saved in (Auto)BitLinears\n" + " " * 22
@@ -305,22 +317,27 @@ def bench_moe(rounds=4):
 
 
 def bench_curve(steps=200):
-    """The int8 path vs its definition (bit-identical, curves must match) and vs itself
-    from weights 1 ulp off: what a last-bit change does once a quantizer flips a code."""
+    """The int8 path vs its definition (bit-identical, curves must match), vs itself from
+    weights 1 ulp off (what a last-bit change does once a quantizer flips a code), and vs
+    itself under bf16 autocast (which must stay within that drift)."""
     data, rng = offline_corpus(get_tokenizer('bytes'))[0], torch.Generator().manual_seed(1337)
     batches = [get_batch(data, 16, 128, rng) for _ in range(steps)]  # same in every run
     curves = []
-    for ref, nudge in ((False, False), (True, False), (False, True)):
+    runs = [(False, False, 'float32'), (True, False, 'float32'), (False, True, 'float32')]
+    runs.append((False, False, 'bfloat16'))
+    for ref, nudge, dtype in runs:
         torch.manual_seed(1337)  # the same init in every run
         model = Transformer(ModelConfig(vocab_size=320, max_seq_len=128, bitnet=True)).to(device)
         for p in model.parameters() if nudge else ():
             p.data = torch.nextafter(p.data, torch.full_like(p.data, float('inf')))
-        step = stepper(use_reference(model, ref))
+        step = stepper(use_reference(model, ref), dtype)
         curves.append([step(x.to(device), y.to(device)) for x, y in batches])
     print(f"\n{steps} AdamW steps (lr 1.5e-3) of the default ternary model, batch 16 x "
           f"128 of the offline corpus, loss {curves[0][0]:.4f} -> {curves[0][-1]:.4f}; "
           "max |loss difference| per step:")
-    for vs, other in zip(('BitLinear.reference', 'itself, initial weights + 1 ulp'), curves[1:]):
+    others = ('BitLinear.reference', 'itself, initial weights + 1 ulp',
+              'itself in bf16 autocast')
+    for vs, other in zip(others, curves[1:]):
         d = [abs(a - b) for a, b in zip(curves[0], other)]
         print(f"int8 path vs {vs:>31}: {max(d):.2e} (step {d.index(max(d))}); "
               f"at step 0 {d[0]:.2e}")

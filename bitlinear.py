@@ -78,9 +78,10 @@ class BitLinear(nn.Linear):
         w = ste(self.weight, torch.lerp(self.weight.float(), w_q * gamma, self.lam))
         y = F.linear(ste(x, torch.lerp(x.float(), x_q / s, self.lam)), w, self.bias)
         if self.ternary:
-            exact = F.linear(x_q, w_q) * (gamma / s)
+            with torch.autocast(x.device.type, enabled=False):  # exact, not rounded to bf16
+                exact = F.linear(x_q, w_q) * (gamma / s)
             y = ste(y, exact if self.bias is None else exact + self.bias)
-        return y.to(x.dtype)
+        return y.to(autocast_dtype(x.device.type) or x.dtype)
 
     def forward(self, x):
         y = BitLinearFunction.apply(x, self.weight, self.bias, self.lam, self.ternary)
@@ -92,10 +93,18 @@ class BitLinear(nn.Linear):
 def int8_matmul(a, b):
     """a (M, K) @ b (N, K)^T for int8 a, b, exact in int32 (returned as fp32):
     torch._int_mm on int8 units (VNNI, tensor cores) where the shapes allow, else fp32,
-    exact too while K * 127 < 2^24."""
+    exact too while K * 127 < 2^24 (with autocast off: it would round to bf16)."""
     if a.shape[0] > 16 and a.shape[1] % 8 == 0 and b.shape[0] % 8 == 0:
         return torch._int_mm(a, b.t()).float()
-    return a.float() @ b.float().t()
+    with torch.autocast(a.device.type, enabled=False):
+        return a.float() @ b.float().t()
+
+
+def autocast_dtype(device_type):
+    """The dtype autocast runs matmuls in on this device, or None outside autocast."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
 
 
 class BitLinearFunction(torch.autograd.Function):
@@ -105,7 +114,12 @@ class BitLinearFunction(torch.autograd.Function):
     STE gradients
         grad_x = grad_y @ (gamma * W_q)        grad_W = grad_y^T @ (x_q / s)
     need only x_q and W_q, saved as int8 (1 byte, not 4) with one scale per token.
-    During warmup (lam < 1) it saves the fp32 blends, as autograd would."""
+    During warmup (lam < 1) it saves the fp32 blends, as autograd would.
+
+    An autograd Function is opaque to autocast, so it follows autocast itself: under
+    bf16/fp16 autocast its output is in that dtype and both backward matmuls run in it
+    (on tensor cores, as F.linear's would), while the forward stays the exact integer
+    product. Outside autocast everything is as above, in the input's dtype."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, lam, ternary):
@@ -113,6 +127,8 @@ class BitLinearFunction(torch.autograd.Function):
         x_q, s = activation_quant(x2)  # (M, K), (M, 1)
         w_q, gamma = weight_quant(weight)  # (N, K), ()
         ctx.ternary, ctx.has_bias, ctx.w_dtype = ternary, bias is not None, weight.dtype
+        ctx.x_dtype = x.dtype
+        ctx.dtype = autocast_dtype(x.device.type) or x.dtype  # of the output and backward
         if ternary:
             x_q, w_q = x_q.to(torch.int8), w_q.to(torch.int8)
             ctx.save_for_backward(x_q, s, w_q, gamma)
@@ -123,11 +139,11 @@ class BitLinearFunction(torch.autograd.Function):
             w_f = torch.lerp(weight.float(), w_q * gamma, lam)
             ctx.save_for_backward(x_f, w_f)
             y = F.linear(x_f, w_f, bias)
-        return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])  # no -1: M may be 0
+        return y.to(ctx.dtype).view(*x.shape[:-1], y.shape[-1])  # no -1: M may be 0
 
     @staticmethod
     def backward(ctx, grad_y):
-        g = grad_y.reshape(-1, grad_y.shape[-1])  # (M, N)
+        g = grad_y.reshape(-1, grad_y.shape[-1]).to(ctx.dtype)  # (M, N)
         if ctx.ternary:
             x_q, s, w_q, gamma = ctx.saved_tensors
             # divide in fp32: in fp16 a token with max|x| < 1.9e-3 has s > 65504 = inf,
@@ -138,7 +154,7 @@ class BitLinearFunction(torch.autograd.Function):
         grad_x = (g @ w_f).view(*grad_y.shape[:-1], w_f.shape[-1])
         grad_w = g.t() @ x_f
         grad_b = g.sum(0) if ctx.has_bias else None
-        return grad_x, grad_w.to(ctx.w_dtype), grad_b, None, None
+        return grad_x.to(ctx.x_dtype), grad_w.to(ctx.w_dtype), grad_b, None, None
 
 
 TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')

@@ -218,6 +218,9 @@ ptdtype = getattr(torch, dtype)
 ctx = nullcontext()
 if ptdtype != torch.float32:
     ctx = torch.autocast(device_type, dtype=ptdtype)
+if device_type == 'cuda':  # TF32 tensor cores for what stays fp32, as nanoGPT
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
 torch.manual_seed(seed + rank)  # e.g. diffusion's masks (batches have seeds of their own)
 commit = checkpoint.git_commit()  # saved with every checkpoint
 if '://' in init_from:  # a storage URL: its newest complete checkpoint, then a resume

@@ -317,3 +317,62 @@ def test_fp16_backward_keeps_the_weight_gradient_of_tiny_tokens():
     expected = g.double().t() @ (x_q.double() / s.double())  # by hand, in float64
     assert expected.abs().max() > 1e-3
     torch.testing.assert_close(layer.weight.grad.double(), expected, rtol=1e-2, atol=1e-6)
+
+
+class Matmuls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records each matrix product a piece of code runs, with its inputs' dtypes, as the
+    kernels see them (below autocast, which has already cast them)."""
+    KINDS = ('mm', 'addmm', 'bmm', '_int_mm')
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.KINDS:
+            self.seen.append((name, [a.dtype for a in args if torch.is_tensor(a)]))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize('tokens', [1, 4, 16, 17, 64])
+def test_under_bf16_autocast_forward_is_the_integer_product_and_backward_runs_in_bf16(tokens):
+    """Under CPU bf16 autocast, at every token count (16 or fewer take the float path, which
+    autocast must not round): the forward's one product is integer (int8 or integers held
+    exactly in fp32) and its output the exact product rounded once to bf16; both backward
+    products run in bf16; the STE gradients differ from an fp64 computation by at most twice
+    what F.linear's own bf16 backward differs on the same inputs."""
+    torch.manual_seed(tokens)
+    layer = BitLinear(96, 48)
+    x = torch.randn(tokens, 96, requires_grad=True)
+    g = torch.randn(tokens, 48)
+    with Matmuls() as forward, torch.autocast('cpu', dtype=torch.bfloat16):
+        y = layer(x)
+    with Matmuls() as backward:
+        y.backward(g)
+    assert [kind for kind, _ in forward.seen] in (['_int_mm'], ['mm'])
+    assert all(dtype in (torch.int8, torch.float32) for dtype in forward.seen[0][1])
+    assert len(backward.seen) == 2 and all(d == [torch.bfloat16] * 2 for _, d in backward.seen)
+    x_q, s = activation_quant(x.detach())
+    w_q, gamma = weight_quant(layer.weight.detach())
+    exact = (x_q.double() @ w_q.double().t()) * (gamma.double() / s.double())
+    assert y.dtype == torch.bfloat16 and torch.equal(y, exact.float().to(torch.bfloat16))
+    # the STE's gradients in fp64, and F.linear's own bf16 backward on the same operands
+    x_f, w_f = (x_q / s).double(), w_q.double() * gamma.double()
+    want_x, want_w = g.double() @ w_f, g.double().t() @ x_f
+    x_ref = (x_q / s).requires_grad_()
+    w_ref = (w_q * gamma).requires_grad_()
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        F.linear(x_ref, w_ref).backward(g)
+    for ours, theirs, want in ((x.grad, x_ref.grad, want_x), (layer.weight.grad, w_ref.grad, want_w)):
+        assert (ours.double() - want).abs().max() <= 2 * (theirs.double() - want).abs().max()
+
+
+def test_outside_autocast_the_output_and_gradients_keep_their_dtype():
+    layer = BitLinear(32, 16)
+    x = torch.randn(20, 32, requires_grad=True)
+    y = layer(x)
+    with Matmuls() as backward:
+        y.sum().backward()
+    assert y.dtype == torch.float32 and x.grad.dtype == torch.float32 and layer.weight.grad.dtype == torch.float32
+    assert all(d == [torch.float32] * 2 for _, d in backward.seen)
