@@ -14,6 +14,7 @@ import os
 import runpy
 import sys
 
+import checkpoint
 from configurator import configure
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -129,7 +130,7 @@ def table(state):
     rows = []
     for name, arm in state['arms'].items():
         path = os.path.join(state['dir'], name, 'log.jsonl')
-        recs = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+        recs = checkpoint.read_log(path) if os.path.exists(path) else []
         vals = [(r['tokens'], r['val_loss']) for r in recs if 'val_loss' in r]
         last = recs[-1] if recs else {}
         rows.append(dict(arm=name, step=last.get('step', 0),

@@ -221,27 +221,30 @@ def run_id(state):
     return (state or {}).get('run_id') or uuid.uuid4().hex
 
 
-def truncate_log(path, step):
-    """Drop the lines of a run's log.jsonl past `step`, where it resumes. A line that is
-    no record (the last one, cut off by a crash mid-write) is dropped with a warning."""
-    if not os.path.exists(path):
-        return
+def read_log(path):
+    """A run's log.jsonl as its records. A line that is no record (the last one, cut off
+    by a crash mid-write) is dropped with a warning."""
+    records = []
     with open(path) as f:
-        lines = f.readlines()
-    kept = []
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            record = None
-        if not isinstance(record, dict) or not isinstance(record.get('step'), int):
-            print(f"warning: {path}: line {number} is cut off or no record; dropping it",
-                  file=sys.stderr)
-            continue
-        if record['step'] <= step:
-            kept.append(line.rstrip('\n') + '\n')  # the next record on a line of its own
-    with open(path, 'w') as f:
-        f.writelines(kept)
+        for number, line in enumerate(f, 1):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if isinstance(record, dict) and isinstance(record.get('step'), int):
+                records.append(record)
+            else:
+                print(f"warning: {path}: line {number} is cut off or no record; dropping it",
+                      file=sys.stderr)
+    return records
+
+
+def truncate_log(path, step):
+    """Drop the records of a run's log.jsonl past `step`, where it resumes."""
+    if os.path.exists(path):
+        kept = [record for record in read_log(path) if record['step'] <= step]
+        with open(path, 'w') as f:
+            f.writelines(json.dumps(record) + '\n' for record in kept)
 
 
 def rng_state(device_type):

@@ -233,3 +233,13 @@ def test_a_cut_off_command_is_dropped_with_a_warning(tmp_path):
     sweep.apply_commands(state)
     assert {n: a['status'] for n, a in state['arms'].items()} == {'a': 'running', 'b': 'stopped'}
     assert state['commands'] == 4
+
+
+def test_an_arms_log_cut_off_mid_line_gives_its_last_whole_record(tmp_path, capsys):
+    state = sweep.new_sweep(write_sweep(tmp_path, {'a': {}}))
+    os.makedirs(os.path.join(state['dir'], 'a'))
+    with open(os.path.join(state['dir'], 'a', 'log.jsonl'), 'w') as f:
+        f.write('{"step": 4, "loss": 2.5, "tokens": 512, "val_loss": 2.75}\n{"step": 5, "lo')
+    row = sweep_arms.table(state)[0]
+    assert (row['step'], row['loss'], row['val_loss'], row['tokens']) == (4, 2.5, 2.75, 512)
+    assert 'line 2 is cut off or no record; dropping it' in capsys.readouterr().err
