@@ -176,7 +176,7 @@ def test_int8_path_is_exact_integer_arithmetic():
     a = torch.randint(-128, 128, (32, 64), dtype=torch.int8)
     b = torch.randint(-1, 2, (24, 64), dtype=torch.int8)
     expected = (a.long() @ b.long().t()).float()
-    assert torch.equal(int8_matmul(a, b), expected)          # torch._int_mm
+    assert torch.equal(int8_matmul(a, b), expected)          # torch._int_mm on int8 units
     assert torch.equal(int8_matmul(a[:5], b), expected[:5])   # too few rows for it: the fp32 fallback
 
 
