@@ -2,6 +2,8 @@
 bench.py kernels  # the packed ternary matmul against its peers
 bench.py decode   # tokens/s of ours (fp32, packed, fused) and llama.cpp, same weights
 bench.py train    # a training step: ours, the fake-quant reference, fp32, transformers
+bench.py convert  # config/smollm.py's step run by train.py: ternary vs fp twin, per phase
+bench.py kernels_per_layer  # kernels (CUDA) or ops (CPU) one BitLinear runs forward + backward
 bench.py moe      # a mixture-of-experts training step against top_k and n_experts
 bench.py curve    # 200 training steps, int8 path vs fake-quant reference (minutes)
 bench.py distill  # SmolLM2-135M-Instruct made ternary by train.py, per recipe (~1.5 h)
@@ -14,6 +16,7 @@ import json
 import os
 import platform
 import runpy
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -299,6 +302,120 @@ def train_table(sizes, kinds, peers, dtype, rounds):
         print(f"{f'{a} / {b}':>22}" + "".join(cells))
 
 
+SHAPES = {  # models built in the process, random weights in a real model's shape
+    '~100M': dict(vocab_size=32000, n_layer=12, n_embd=768, n_head=12, n_kv_head=12,
+                  intermediate_size=2048),
+    'SmolLM2-135M': dict(vocab_size=49152, n_layer=30, n_embd=576, n_head=9, n_kv_head=3,
+                         intermediate_size=1536),
+    'Llama-1B': dict(vocab_size=49152, n_layer=16, n_embd=2048, n_head=32, n_kv_head=8,
+                     intermediate_size=8192, tie_embeddings=False),
+}
+
+
+def bench_convert(steps=8):
+    """config/smollm.py as train.py runs it, one phase at a time (block-wise reconstruction;
+    CE + KD at T = 5, the fp model as teacher): the ternary student against its fp twin
+    (--bitnet=False), eager, and compiled at the 1B shape in CE + KD (compiling costs
+    minutes a graph). Tokens/s is the median over train.py's logged steps after the first
+    two; MFU (the student's flops) and peak memory are train.py's own, on CUDA. A GPU runs
+    16 x 1024 tokens a step in bf16; the CPU config/smollm.py's fp32 4 x 256 x 2 micro-steps,
+    at the ~100M and SmolLM2 shapes (a 1B student with its teacher does not fit 24 GiB)."""
+    cuda = device == 'cuda'
+    shapes = ['SmolLM2-135M', 'Llama-1B'] if cuda else ['~100M', 'SmolLM2-135M']
+    batch = ['--batch_size=16', '--block_size=1024', '--gradient_accumulation_steps=1'] if cuda else []
+    phases = {'block': "[(1.0, {'block': 1.0})]", 'CE + KD': "[(1.0, {'ce': 1.0, 'kd': 1.0})]"}
+    print(f"
+config/smollm.py's training step by train.py, {steps} steps a row, random weights "
+          f"in each shape
+{'model':>14} {'phase':>8} {'':>16} {'tok/s':>8} {'MFU':>6} "
+          f"{'peak GiB':>8} {'vs fp twin':>10}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in shapes:
+            torch.manual_seed(0)
+            cfg = ModelConfig(**SHAPES[shape], max_seq_len=2048, bitnet=False)
+            src = os.path.join(tmp, shape)
+            Transformer(cfg).save_pretrained(src)
+            for phase, curriculum in phases.items():
+                rows = [(False, False), (True, False)]
+                if cuda and shape == 'Llama-1B' and phase == 'CE + KD':
+                    rows += [(False, True), (True, True)]
+                fp_tok = {}
+                for bitnet, compiled in rows:
+                    out = os.path.join(tmp, 'run')
+                    cmd = [sys.executable, 'train.py', 'config/smollm.py', f'--init_from={src}',
+                           f'--teacher={src}', '--tokenizer=bytes', '--dataset=',
+                           '--data_files={}', f'--curriculum={curriculum}',
+                           f'--bitnet={bitnet}', f'--compile={compiled}', f'--out_dir={out}',
+                           f'--max_steps={steps}', '--log_interval=1', '--eval_interval=1000',
+                           '--sample_tokens=0', '--warmup_steps=1', *batch]
+                    shutil.rmtree(out, ignore_errors=True)
+                    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+                    if r.returncode:
+                        sys.exit(f"error: {' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
+                    recs = checkpoint.read_log(os.path.join(out, 'log.jsonl'))
+                    recs = [rec for rec in recs if rec['step'] > 2 and 'tok_per_s' in rec]
+                    tok = sorted(rec['tok_per_s'] for rec in recs)[len(recs) // 2]
+                    mfu = f"{recs[-1]['mfu']:6.1%}" if cuda else f"{'-':>6}"
+                    peak = f"{recs[-1]['peak_mem_gib']:8.1f}" if cuda else f"{'-':>8}"
+                    fp_tok.setdefault(compiled, tok)  # the fp twin's row comes first
+                    kind = ('ternary' if bitnet else 'fp twin') + (', compiled' if compiled else '')
+                    print(f"{shape:>14} {phase:>8} {kind:>16} {tok:8.0f} {mfu} {peak} "
+                          f"{tok / fp_tok[compiled]:9.2f}x", flush=True)
+
+
+def bench_kernels_per_layer():
+    """The kernels (CUDA: launches in the profiler) or aten ops (CPU) that one linear of
+    SmolLM2's MLP shape (576 -> 1536, 16 x 1024 tokens) runs forward and backward: F.linear,
+    BitLinear.reference (the fake-quant definition), ours on its first micro-step
+    (quantizing the weight) and on later ones (the weight quantized once per step)."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    def count(fn):
+        fn()  # warm: compiles the fused quantizer on CUDA, fills the caches
+        if device == 'cuda':
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+            return sum(1 for e in prof.events() if e.device_type.name == 'CUDA')
+        with Ops() as ops:
+            fn()
+        return ops.count
+
+    torch.manual_seed(0)
+    layer = BitLinear(576, 1536).to(device)
+    x = torch.randn(16 * 1024, 576, device=device, requires_grad=True)
+    dtype = torch.bfloat16 if device == 'cuda' else torch.float32
+
+    def run(forward, fresh_weight=False):
+        def fn():
+            if fresh_weight:  # forget the quantized weight, as an optimizer step makes it
+                layer.quantized_from = None
+            with torch.autocast(device, dtype, enabled=dtype != torch.float32):
+                forward(x).float().square().mean().backward()
+        return fn
+    rows = {'F.linear (fp twin)': run(lambda x: F.linear(x, layer.weight)),
+            'BitLinear.reference': run(layer.reference),
+            'ours, first micro-step': run(layer, fresh_weight=True),
+            'ours, later micro-steps': run(layer)}
+    what = 'CUDA kernels' if device == 'cuda' else 'aten ops'
+    print(f"
+{what} one linear (576 -> 1536, 16k tokens) runs, forward + backward (with the "
+          "loss's few)")
+    for name, fn in rows.items():
+        print(f"{name:>26} {count(fn):5d}")
+
+
 def bench_moe(rounds=4):
     """A training step of config/moe.py's ternary model against top_k and n_experts."""
     shapes = [(8, 1), (8, 2), (8, 4), (4, 2), (16, 2), (32, 2)]  # (n_experts, top_k)
@@ -411,6 +528,7 @@ def bench_upload(steps=100, rate=1 << 20):
 
 if __name__ == '__main__':
     sections = dict(kernels=bench_matmul, decode=bench_decode, train=bench_train,
+                    convert=bench_convert, kernels_per_layer=bench_kernels_per_layer,
                     moe=bench_moe, curve=bench_curve, distill=bench_distill,
                     upload=bench_upload)
     which, options = words(sys.argv[1:], allowed=sections)

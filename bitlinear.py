@@ -24,9 +24,13 @@ stays differentiable in its input, so adapters below it can train (lora.py). Thi
 needs only torch and can be copied alone; without kernels.py, packed layers unpack in
 pure torch (same numbers, slower).
 """
+import functools
+import weakref
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 
 def weight_quant(w):
@@ -41,9 +45,39 @@ def weight_quant(w):
 def activation_quant(x):
     """absmax per token: x_q = round(x * s) clipped to int8's range; s = 127 / max|x|
     (fp32)."""
-    s = 127 / x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)  # (..., 1)
+    # max|x| in one pass (abs, then amax, would write |x| out and read it again); exact in
+    # any dtype, so rounding it to fp32 after is rounding every |x| before
+    amax = torch.linalg.vector_norm(x, float('inf'), dim=-1, keepdim=True).float()
+    s = 127 / amax.clamp(min=1e-5)  # (..., 1)
     x_q = (x.float() * s).round_().clamp_(-128, 127)
     return x_q, s
+
+
+@functools.cache
+def fused_activation_quant():
+    """activation_quant as torch.compile fuses it: a reduction and one elementwise pass
+    (eager: five passes), the same numbers. Made on first use: compiling costs seconds."""
+    return torch.compile(activation_quant, dynamic=True)
+
+
+def quantize_activations(x):
+    """activation_quant, fused on CUDA; eager elsewhere (compiling takes about 20 s a
+    graph on a CPU, where the tests run)."""
+    return fused_activation_quant()(x) if x.is_cuda else activation_quant(x)
+
+
+# Fused optimizers (AdamW(fused=True)) change weights without bumping their version counters,
+# so every step of a torch optimizer counts here, and a quantized weight (see
+# BitLinear.quantized_weight) from before the last step is not used again
+optimizer_steps = 0
+
+
+def count_optimizer_step(optimizer, args, kwargs):
+    global optimizer_steps
+    optimizer_steps += 1
+
+
+register_optimizer_step_post_hook(count_optimizer_step)
 
 
 def ste(x, value):
@@ -63,6 +97,27 @@ class BitLinear(nn.Linear):
         self.register_buffer('lam', torch.ones((), device=device), persistent=False)
         self.ternary = True  # lam == 1: the int8 path
         self.lrc_u = self.lrc_v = None  # the optional low-rank correction, see add_lrc
+        self.quantized = self.quantized_from = None  # see quantized_weight
+
+    def quantized_weight(self):
+        """W_q (int8) and gamma, quantized once per value of the weight and reused until
+        it changes: by every micro-step of an optimizer step, by their backwards (which
+        save this same int8 copy), by a frozen teacher's every forward. The value is
+        known by the weight's identity, storage and version counter (which in-place
+        changes bump: load_state_dict, an unfused optimizer) and the optimizer steps taken
+        (fused optimizers bump no version). It costs one byte per weight, kept between
+        steps. Compiled, the quantizer is traced into the graph instead."""
+        w = self.weight
+        if torch.compiler.is_compiling():
+            w_q, gamma = weight_quant(w.detach())
+            return w_q.to(torch.int8), gamma
+        key = (w.data_ptr(), w._version, w.device, w.dtype, optimizer_steps)
+        known = self.quantized_from is not None and self.quantized_from[0]() is w
+        if not known or self.quantized_from[1] != key:
+            w_q, gamma = weight_quant(w.detach())
+            self.quantized = (w_q.to(torch.int8), gamma)
+            self.quantized_from = (weakref.ref(w), key)
+        return self.quantized
 
     def reference(self, x):
         """The definition: fake-quantize (blended with the fp values by lam),
@@ -84,7 +139,8 @@ class BitLinear(nn.Linear):
         return y.to(autocast_dtype(x.device.type) or x.dtype)
 
     def forward(self, x):
-        y = BitLinearFunction.apply(x, self.weight, self.bias, self.lam, self.ternary)
+        w_q, gamma = self.quantized_weight()
+        y = BitLinearFunction.apply(x, self.weight, self.bias, self.lam, self.ternary, w_q, gamma)
         if self.lrc_u is not None:  # the correction sees the unquantized input
             y = y + F.linear(F.linear(x, self.lrc_v), self.lrc_u)
         return y
@@ -128,15 +184,15 @@ class BitLinearFunction(torch.autograd.Function):
     product. Outside autocast everything is as above, in the input's dtype."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, lam, ternary):
+    def forward(ctx, x, weight, bias, lam, ternary, w_q, gamma):
+        """w_q (N, K) int8 and gamma (): the weight quantized (BitLinear.quantized_weight)."""
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
-        x_q, s = activation_quant(x2)  # (M, K), (M, 1)
-        w_q, gamma = weight_quant(weight)  # (N, K), ()
+        x_q, s = quantize_activations(x2)  # (M, K), (M, 1)
         ctx.ternary, ctx.has_bias, ctx.w_dtype = ternary, bias is not None, weight.dtype
         ctx.x_dtype = x.dtype
         ctx.dtype = autocast_dtype(x.device.type) or x.dtype  # of the output and backward
         if ternary:
-            x_q, w_q = x_q.to(torch.int8), w_q.to(torch.int8)
+            x_q = x_q.to(torch.int8)
             ctx.save_for_backward(x_q, s, w_q, gamma)
             y = int8_matmul(x_q, w_q) * (gamma / s)  # (M, N)
             y = y if bias is None else y + bias
@@ -160,7 +216,7 @@ class BitLinearFunction(torch.autograd.Function):
         grad_x = (g @ w_f).view(*grad_y.shape[:-1], w_f.shape[-1])
         grad_w = g.t() @ x_f
         grad_b = g.sum(0) if ctx.has_bias else None
-        return grad_x.to(ctx.x_dtype), grad_w.to(ctx.w_dtype), grad_b, None, None
+        return grad_x.to(ctx.x_dtype), grad_w.to(ctx.w_dtype), grad_b, None, None, None, None
 
 
 TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')

@@ -28,14 +28,11 @@ import uuid
 
 import torch
 from safetensors import SafetensorError
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict)
 
 from hub import TOKENIZER_FILES, inside, resolve_model
 
 STATE = 'train_state.pt'
 MANIFEST = 'manifest.json'
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole, on rank 0's CPU
 
 
 def checkpoints(folder):
@@ -259,10 +256,26 @@ def set_rng_state(saved, device_type):
         torch.cuda.set_rng_state(saved['cuda'])
 
 
+def fsdp_state_dict():
+    """torch's state dicts of sharded models, imported only under FSDP: torch.distributed's
+    tensor modules take seconds to import, which every start of train.py would pay."""
+    import torch.distributed.checkpoint.state_dict as dcp
+    return dcp
+
+
+def full_options():
+    """Whole tensors, on rank 0's CPU."""
+    dcp = fsdp_state_dict()
+    return dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
 def model_state(model, fsdp=False):
     """Under FSDP, the whole model's weights on rank 0's CPU, gathered tensor by tensor
     (a collective); else None: the model saves its own."""
-    return get_model_state_dict(model, options=FULL) if fsdp else None
+    if not fsdp:
+        return None
+    dcp = fsdp_state_dict()
+    return dcp.get_model_state_dict(model, options=full_options())
 
 
 def optimizer_states(model, optimizers, fsdp=False, zero1=False, rank0=True):
@@ -272,7 +285,8 @@ def optimizer_states(model, optimizers, fsdp=False, zero1=False, rank0=True):
         for opt in optimizers:
             opt.consolidate_state_dict(to=0)
     if fsdp:
-        return [get_optimizer_state_dict(model, o, options=FULL) for o in optimizers]
+        dcp = fsdp_state_dict()
+        return [dcp.get_optimizer_state_dict(model, o, options=full_options()) for o in optimizers]
     return [o.state_dict() for o in optimizers] if rank0 else None
 
 
@@ -280,6 +294,7 @@ def load_optimizer_states(model, optimizers, states, fsdp=False):
     """What optimizer_states saved; under FSDP each rank takes its shards of it."""
     for opt, state in zip(optimizers, states):
         if fsdp:
-            set_optimizer_state_dict(model, opt, state, options=FULL)
+            dcp = fsdp_state_dict()
+            dcp.set_optimizer_state_dict(model, opt, state, options=full_options())
         else:
             opt.load_state_dict(state)

@@ -505,12 +505,20 @@ def linear_cuda(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.
 
 IMPLS = dict(reference=linear_reference, compile=linear_compile, cpp=linear_cpp,
              cuda=linear_cuda)
+
+
+def linear_best(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    """The fastest implementation on this machine (`best`), chosen when it runs."""
+    return IMPLS[best(x.device.type)](x, w, gamma)
+
+
 # each one also as a custom op with a fake (shape-only) implementation, which
 # torch.compile traces; eager calls skip the op's Python dispatch, which costs as much as
-# a small decode GEMV (~10 us)
+# a small decode GEMV (~10 us). 'best' makes its choice when it runs, so torch.compile
+# never traces the choosing (which probes for compilers and builds the kernels)
 OPS = {name: torch.library.custom_op(f'nanobitnet::linear_{name}', fn, mutates_args=(),
                                      device_types={'cpp': 'cpu', 'cuda': 'cuda'}.get(name))
-       for name, fn in IMPLS.items()}
+       for name, fn in (IMPLS | dict(best=linear_best)).items()}
 for op in OPS.values():
     op.register_fake(lambda x, w, gamma: x.new_empty(x.shape[0], w.shape[0],
                                                      dtype=torch.float32))
@@ -518,8 +526,6 @@ for op in OPS.values():
 
 # ---------------------------------------------------------------- dispatch
 
-# torch.compile takes the choice as made, without tracing it
-@torch.compiler.assume_constant_result
 def best(device_type):
     """The fastest implementation that works on this machine, with a one-time notice when
     the fast one cannot be built (no compiler, no CUDA toolkit, a CPU without AVX2)."""
@@ -559,6 +565,9 @@ def ternary_linear(x, w, gamma, impl=None):
         raise ValueError(f"activations have K={K} but the weights were packed for "
                          f"K={Kp - BLOCK + 1}..{Kp}; "
                          f"pack W_q of shape (N, {K}) with kernels.pack")
-    fn = (OPS if torch.compiler.is_compiling() else IMPLS)[impl or best(x.device.type)]
+    if torch.compiler.is_compiling():
+        fn = OPS[impl or 'best']
+    else:
+        fn = IMPLS[impl or best(x.device.type)]
     y = fn(x.reshape(-1, K), w, gamma)  # (M, N) fp32
     return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])

@@ -19,8 +19,6 @@ import os
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
 
 from hub import Progress
 
@@ -59,7 +57,8 @@ def make_optimizers(groups, kind='adamw', lr=1e-3, betas=(0.9, 0.95), zero1=Fals
         hidden = [g for g in groups if g['name'] == 'hidden']
         args = dict(lr=lr, momentum=0.95, nesterov=True, adjust_lr_fn='match_rms_adamw')
         made.append((torch.optim.Muon, hidden, args))
-    if zero1:
+    if zero1:  # imported here: it takes a second, which every start of train.py would pay
+        from torch.distributed.optim import ZeroRedundancyOptimizer
         return [ZeroRedundancyOptimizer(g, optimizer_class=cls, **kw)
                 for cls, g, kw in made]
     return [cls(g, **kw) for cls, g, kw in made]
@@ -159,7 +158,7 @@ def clip_gradients(model, optimizers, scaler, max_norm=0.0, zclip=None):
         scaler.unscale_(opt)
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if isinstance(norm, DTensor):  # FSDP: the norm of every rank's shards together
+    if hasattr(norm, 'full_tensor'):  # a DTensor (FSDP): the norm of every rank's shards together
         norm = norm.full_tensor()
     adaptive = zclip is not None and zclip.adaptive
     finite = math.isfinite(norm.item())  # a CPU-GPU sync

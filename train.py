@@ -23,7 +23,6 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
@@ -394,6 +393,8 @@ def new_optimizers():
 
 
 if fsdp:  # each block gathered for its forward and backward, then freed (fp32 on CPU)
+    # imported here, not at the top: it takes seconds, which every run would pay
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     for v in raw_model.state_dict().values():  # rank 0's weights everywhere, as DDP does
         dist.broadcast(v, 0)
     policy = MixedPrecisionPolicy()  # fp32 on the CPU

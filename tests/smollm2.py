@@ -34,15 +34,18 @@ def smollm2():
     tok, hf = (cls.from_pretrained(src, gguf_file=name) for cls in (AutoTokenizer, AutoModelForCausalLM))
     tok.backend_tokenizer.pre_tokenizer = pre.Sequence([pre.Digits(individual_digits=True),
                                                         pre.ByteLevel(add_prefix_space=False, use_regex=True)])
-    shutil.rmtree(out + '.tmp', ignore_errors=True)
-    tok.save_pretrained(out + '.tmp')
+    tmp = f'{out}.tmp{os.getpid()}'  # each process its own: test workers may make it at once
+    tok.save_pretrained(tmp)
     cfg = {k: v for k, v in hf.config.to_dict().items() if k != 'quantization_config'}
-    with open(os.path.join(out + '.tmp', 'config.json'), 'w') as f:  # the GGUF holds eps as a float32
+    with open(os.path.join(tmp, 'config.json'), 'w') as f:  # the GGUF holds eps as a float32
         json.dump(dict(cfg, rms_norm_eps=1e-5, architectures=['LlamaForCausalLM'], dtype='float32'), f, indent=2)
     sd = {k: v.float().contiguous() for k, v in hf.state_dict().items() if k != 'lm_head.weight'}  # tied
-    save_file(sd, os.path.join(out + '.tmp', 'model.safetensors'), metadata={'format': 'pt'})
+    save_file(sd, os.path.join(tmp, 'model.safetensors'), metadata={'format': 'pt'})
+    if os.path.exists(os.path.join(out, 'model.safetensors')):  # another process finished first
+        shutil.rmtree(tmp)
+        return out
     shutil.rmtree(out, ignore_errors=True)  # an unfinished earlier attempt
-    os.replace(out + '.tmp', out)
+    os.replace(tmp, out)
     return out
 
 

@@ -376,3 +376,51 @@ def test_outside_autocast_the_output_and_gradients_keep_their_dtype():
         y.sum().backward()
     assert y.dtype == torch.float32 and x.grad.dtype == torch.float32 and layer.weight.grad.dtype == torch.float32
     assert all(d == [torch.float32] * 2 for _, d in backward.seen)
+
+
+def test_the_weight_is_quantized_once_per_value(monkeypatch):
+    """Micro-steps and their backwards reuse one quantized weight; every change of the
+    weight (an optimizer step, load_state_dict, a new Parameter, a dtype change) makes the
+    next forward quantize it again, and the output is then the definition's."""
+    import bitlinear
+    calls = []
+
+    def counted(w):
+        calls.append(w.shape)
+        return weight_quant(w)
+    monkeypatch.setattr(bitlinear, 'weight_quant', counted)
+    torch.manual_seed(0)
+    layer = BitLinear(64, 32)
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2, fused=True)
+    xs = torch.randn(3, 20, 64)
+    for x in xs:  # three micro-steps
+        layer(x).square().sum().backward()
+    assert len(calls) == 1
+    for change in ('step', 'load', 'parameter', 'dtype'):
+        if change == 'step':
+            opt.step()
+        if change == 'load':
+            layer.load_state_dict({'weight': torch.randn(32, 64)})
+        if change == 'parameter':
+            layer.weight = torch.nn.Parameter(torch.randn(32, 64))
+        if change == 'dtype':
+            layer.double()
+        before = len(calls)
+        y = layer(xs[0].to(layer.weight.dtype))
+        assert len(calls) == before + 1, change
+        monkeypatch.setattr(bitlinear, 'weight_quant', weight_quant)  # reference() as is
+        assert torch.equal(y, layer.reference(xs[0].to(layer.weight.dtype))), change
+        monkeypatch.setattr(bitlinear, 'weight_quant', counted)
+        layer(xs[1].to(layer.weight.dtype))
+        assert len(calls) == before + 1, change
+
+
+def test_the_fused_activation_quantizer_gives_the_same_codes():
+    """torch.compile's fused quantizer (used on CUDA) against the eager one, here on the CPU:
+    the same int8 codes and scales, bit for bit, at several shapes (one dynamic graph)."""
+    from bitlinear import fused_activation_quant
+    torch.manual_seed(0)
+    for shape in ((1, 64), (17, 96), (5, 3, 130)):
+        x = torch.randn(shape) * torch.rand(shape[:-1] + (1,)) * 10
+        for got, want in zip(fused_activation_quant()(x), activation_quant(x)):
+            assert torch.equal(got, want), shape
