@@ -312,23 +312,41 @@ SHAPES = {  # models built in the process, random weights in a real model's shap
 }
 
 
+def convert_row(src, curriculum, bitnet, compiled, steps, batch, out):
+    """One row of bench_convert: train.py on config/smollm.py from src (student and
+    teacher); its median tokens/s after the first two steps, and its last record."""
+    cmd = [sys.executable, 'train.py', 'config/smollm.py', f'--init_from={src}',
+           f'--teacher={src}', '--tokenizer=bytes', '--dataset=', '--data_files={}',
+           f'--curriculum={curriculum}', f'--bitnet={bitnet}', f'--compile={compiled}',
+           f'--out_dir={out}', f'--max_steps={steps}', '--log_interval=1',
+           '--eval_interval=1000', '--sample_tokens=0', '--warmup_steps=1', *batch]
+    shutil.rmtree(out, ignore_errors=True)
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"error: {' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
+    recs = checkpoint.read_log(os.path.join(out, 'log.jsonl'))
+    recs = [rec for rec in recs if rec['step'] > 2 and 'tok_per_s' in rec]
+    return sorted(rec['tok_per_s'] for rec in recs)[len(recs) // 2], recs[-1]
+
+
 def bench_convert(steps=8):
-    """config/smollm.py as train.py runs it, one phase at a time (block-wise reconstruction;
-    CE + KD at T = 5, the fp model as teacher): the ternary student against its fp twin
-    (--bitnet=False), eager, and compiled at the 1B shape in CE + KD (compiling costs
-    minutes a graph). Tokens/s is the median over train.py's logged steps after the first
-    two; MFU (the student's flops) and peak memory are train.py's own, on CUDA. A GPU runs
-    16 x 1024 tokens a step in bf16; the CPU config/smollm.py's fp32 4 x 256 x 2 micro-steps,
-    at the ~100M and SmolLM2 shapes (a 1B student with its teacher does not fit 24 GiB)."""
+    """config/smollm.py as train.py runs it, one phase at a time (block-wise
+    reconstruction; CE + KD at T = 5, the fp model as teacher): the ternary student
+    against its fp twin (--bitnet=False), eager, and compiled at the 1B shape in CE + KD
+    (compiling costs minutes a graph). Tokens/s: the median over the logged steps after
+    the first two; MFU (the student's flops) and peak memory: train.py's, on CUDA. A GPU
+    runs 16 x 1024 tokens a step in bf16; the CPU config/smollm.py's fp32 4 x 256 x 2
+    micro-steps, at the ~100M and SmolLM2 shapes (a 1B student with its teacher does
+    not fit 24 GiB)."""
     cuda = device == 'cuda'
     shapes = ['SmolLM2-135M', 'Llama-1B'] if cuda else ['~100M', 'SmolLM2-135M']
-    batch = ['--batch_size=16', '--block_size=1024', '--gradient_accumulation_steps=1'] if cuda else []
-    phases = {'block': "[(1.0, {'block': 1.0})]", 'CE + KD': "[(1.0, {'ce': 1.0, 'kd': 1.0})]"}
-    print(f"
-config/smollm.py's training step by train.py, {steps} steps a row, random weights "
-          f"in each shape
-{'model':>14} {'phase':>8} {'':>16} {'tok/s':>8} {'MFU':>6} "
-          f"{'peak GiB':>8} {'vs fp twin':>10}")
+    batch = ['--batch_size=16', '--block_size=1024', '--gradient_accumulation_steps=1']
+    batch = batch if cuda else []
+    phases = {'block': "[(1.0, {'block': 1.0})]",
+              'CE + KD': "[(1.0, {'ce': 1.0, 'kd': 1.0})]"}
+    print(f"\nconfig/smollm.py's training step by train.py, {steps} steps a row, random "
+          f"weights in each shape\n{'model':>14} {'phase':>8} {'':>16} {'tok/s':>8} "
+          f"{'MFU':>6} {'peak GiB':>8} {'vs fp twin':>10}")
     with tempfile.TemporaryDirectory() as tmp:
         for shape in shapes:
             torch.manual_seed(0)
@@ -342,23 +360,12 @@ config/smollm.py's training step by train.py, {steps} steps a row, random weight
                 fp_tok = {}
                 for bitnet, compiled in rows:
                     out = os.path.join(tmp, 'run')
-                    cmd = [sys.executable, 'train.py', 'config/smollm.py', f'--init_from={src}',
-                           f'--teacher={src}', '--tokenizer=bytes', '--dataset=',
-                           '--data_files={}', f'--curriculum={curriculum}',
-                           f'--bitnet={bitnet}', f'--compile={compiled}', f'--out_dir={out}',
-                           f'--max_steps={steps}', '--log_interval=1', '--eval_interval=1000',
-                           '--sample_tokens=0', '--warmup_steps=1', *batch]
-                    shutil.rmtree(out, ignore_errors=True)
-                    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-                    if r.returncode:
-                        sys.exit(f"error: {' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
-                    recs = checkpoint.read_log(os.path.join(out, 'log.jsonl'))
-                    recs = [rec for rec in recs if rec['step'] > 2 and 'tok_per_s' in rec]
-                    tok = sorted(rec['tok_per_s'] for rec in recs)[len(recs) // 2]
-                    mfu = f"{recs[-1]['mfu']:6.1%}" if cuda else f"{'-':>6}"
-                    peak = f"{recs[-1]['peak_mem_gib']:8.1f}" if cuda else f"{'-':>8}"
+                    tok, last = convert_row(src, curriculum, bitnet, compiled, steps, batch, out)
+                    mfu = f"{last['mfu']:6.1%}" if cuda else f"{'-':>6}"
+                    peak = f"{last['peak_mem_gib']:8.1f}" if cuda else f"{'-':>8}"
                     fp_tok.setdefault(compiled, tok)  # the fp twin's row comes first
-                    kind = ('ternary' if bitnet else 'fp twin') + (', compiled' if compiled else '')
+                    kind = 'ternary' if bitnet else 'fp twin'
+                    kind += ', compiled' if compiled else ''
                     print(f"{shape:>14} {phase:>8} {kind:>16} {tok:8.0f} {mfu} {peak} "
                           f"{tok / fp_tok[compiled]:9.2f}x", flush=True)
 
@@ -409,9 +416,8 @@ def bench_kernels_per_layer():
             'ours, first micro-step': run(layer, fresh_weight=True),
             'ours, later micro-steps': run(layer)}
     what = 'CUDA kernels' if device == 'cuda' else 'aten ops'
-    print(f"
-{what} one linear (576 -> 1536, 16k tokens) runs, forward + backward (with the "
-          "loss's few)")
+    print(f"\n{what} one linear (576 -> 1536, 16k tokens) runs, forward + backward "
+          "(with the loss's few)")
     for name, fn in rows.items():
         print(f"{name:>26} {count(fn):5d}")
 

@@ -257,16 +257,10 @@ def set_rng_state(saved, device_type):
 
 
 def fsdp_state_dict():
-    """torch's state dicts of sharded models, imported only under FSDP: torch.distributed's
-    tensor modules take seconds to import, which every start of train.py would pay."""
+    """torch's state dicts of sharded models, and options for whole tensors on rank 0's CPU;
+    imported only under FSDP, as they take seconds to import."""
     import torch.distributed.checkpoint.state_dict as dcp
-    return dcp
-
-
-def full_options():
-    """Whole tensors, on rank 0's CPU."""
-    dcp = fsdp_state_dict()
-    return dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return dcp, dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def model_state(model, fsdp=False):
@@ -274,8 +268,8 @@ def model_state(model, fsdp=False):
     (a collective); else None: the model saves its own."""
     if not fsdp:
         return None
-    dcp = fsdp_state_dict()
-    return dcp.get_model_state_dict(model, options=full_options())
+    dcp, full = fsdp_state_dict()
+    return dcp.get_model_state_dict(model, options=full)
 
 
 def optimizer_states(model, optimizers, fsdp=False, zero1=False, rank0=True):
@@ -285,8 +279,8 @@ def optimizer_states(model, optimizers, fsdp=False, zero1=False, rank0=True):
         for opt in optimizers:
             opt.consolidate_state_dict(to=0)
     if fsdp:
-        dcp = fsdp_state_dict()
-        return [dcp.get_optimizer_state_dict(model, o, options=full_options()) for o in optimizers]
+        dcp, full = fsdp_state_dict()
+        return [dcp.get_optimizer_state_dict(model, o, options=full) for o in optimizers]
     return [o.state_dict() for o in optimizers] if rank0 else None
 
 
@@ -294,7 +288,7 @@ def load_optimizer_states(model, optimizers, states, fsdp=False):
     """What optimizer_states saved; under FSDP each rank takes its shards of it."""
     for opt, state in zip(optimizers, states):
         if fsdp:
-            dcp = fsdp_state_dict()
-            dcp.set_optimizer_state_dict(model, opt, state, options=full_options())
+            dcp, full = fsdp_state_dict()
+            dcp.set_optimizer_state_dict(model, opt, state, options=full)
         else:
             opt.load_state_dict(state)
