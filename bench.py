@@ -329,7 +329,7 @@ def convert_row(src, curriculum, bitnet, compiled, steps, batch, out):
     return sorted(rec['tok_per_s'] for rec in recs)[len(recs) // 2], recs[-1]
 
 
-def bench_convert(steps=8):
+def bench_convert(steps=6):
     """config/smollm.py as train.py runs it, one phase at a time (block-wise
     reconstruction; CE + KD at T = 5, the fp model as teacher): the ternary student
     against its fp twin (--bitnet=False), eager, and compiled at the 1B shape in CE + KD
