@@ -29,6 +29,7 @@ from importlib.util import find_spec
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import checkpoint
 import kernels
@@ -208,6 +209,17 @@ def hf_peer(model):
         return transformers.AutoModelForCausalLM.from_pretrained(d).to(device).train()
 
 
+def torchao_peer(model):
+    """torchao's BitNet training (a test-only extra) on the attention and MLP linears:
+    ternary weights and int8 activations through its own autograd Function (torch._int_mm
+    forward), no SubLN."""
+    from torchao.prototype.quantized_training import bitnet_training
+    from torchao.quantization import quantize_
+    is_target = lambda module, name: type(module) is nn.Linear and 'lm_head' not in name
+    quantize_(model, bitnet_training(), filter_fn=is_target)
+    return model
+
+
 def stepper(model, dtype='float32'):
     """step(x, y) -> loss: forward (under autocast unless fp32, as train.py runs it),
     cross-entropy, backward, fused AdamW step."""
@@ -227,11 +239,20 @@ def stepper(model, dtype='float32'):
     return step
 
 
+def storages(t):
+    """The storages a tensor holds: its own, or a wrapper subclass's inner tensors' (as
+    torchao's weights hold their data)."""
+    if is_traceable_wrapper_subclass(t):
+        return [s for name in t.__tensor_flatten__()[0] for s in storages(getattr(t, name))]
+    return [t.untyped_storage()]
+
+
 def saved_mib(model, x, dtype='float32'):
-    """MiB saved for backward (storages once, no params): all, in (Auto)BitLinears."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    """MiB saved for backward (storages once, no params): all, in the ternary layers."""
+    params = {s.data_ptr() for p in model.parameters() for s in storages(p)}
     saved, at = [], ['model']  # (weak ref, where saved); where the forward is now
-    bits = [m for m in model.modules() if type(m).__name__ in ('BitLinear', 'AutoBitLinear')]
+    bits = [m for m in model.modules() if type(m).__name__ in ('BitLinear', 'AutoBitLinear')
+            or type(getattr(m, 'weight', None)).__name__ == 'BitNetTrainingLinearWeight']
 
     def pack(t):  # a weak ref to a detached alias: what the graph drops does not count
         t = t.detach()
@@ -242,8 +263,8 @@ def saved_mib(model, x, dtype='float32'):
     autocast = torch.autocast(device, getattr(torch, dtype), enabled=dtype != 'float32')
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
         out = model(x)  # kept: the graph, and what it saved, lives as long as its output
-    storages = [(t.untyped_storage(), w) for r, w in saved if (t := r()) is not None]
-    live = {s.data_ptr(): (s.nbytes(), w) for s, w in storages if s.data_ptr() not in params}
+    held = [(s, w) for r, w in saved if (t := r()) is not None for s in storages(t)]
+    live = {s.data_ptr(): (s.nbytes(), w) for s, w in held if s.data_ptr() not in params}
     for h in hooks:
         h.remove()
     return [sum(n for n, w in live.values() if w in ws) / 2**20
@@ -256,6 +277,8 @@ def bench_train(rounds=6):
                             n_kv_head=12, intermediate_size=2048, max_seq_len=256), 8, 256)}
     # without transformers (a test-only extra) its rows are left out
     peers = {'HF BitNet': True, 'HF Llama': False} if find_spec('transformers') else {}
+    if find_spec('torchao'):  # the fp twin's linears made torchao's BitNet training weights
+        peers['torchao BitNet'] = False
     kinds = {'ours': True, 'reference': True, 'fp twin': False} | peers  # is it ternary?
     # as train.py trains: bf16 autocast on a GPU; on the CPU fp32 (its default) and bf16
     for dtype in ['bfloat16'] if device == 'cuda' else ['float32', 'bfloat16']:
@@ -273,7 +296,12 @@ def train_table(sizes, kinds, peers, dtype, rounds):
             torch.manual_seed(0)
             model = Transformer(ModelConfig(**cfg, bitnet=kinds[kind])).to(device)
             is_peer = kind in peers
-            model = hf_peer(model) if is_peer else use_reference(model, kind == 'reference')
+            if kind == 'torchao BitNet':
+                model = torchao_peer(model)
+            elif is_peer:
+                model = hf_peer(model)
+            else:
+                model = use_reference(model, kind == 'reference')
             steps[kind], mem[kind] = stepper(model, dtype), saved_mib(model, x, dtype)
 
         def run(kind):
@@ -289,13 +317,15 @@ def train_table(sizes, kinds, peers, dtype, rounds):
     cols = f"{'ms':>10}{'saved MiB':>10}{'in BitLin':>10}" + f"{'peak MiB':>10}" * (device != 'cpu')
     print(f"\ntraining step (forward, backward, fused AdamW; {dtype}), best of {rounds}, "
           "models in turns. ours: int8 Function,\nreference: BitLinear.reference, HF "
-          "BitNet: AutoBitLinear online. saved: MiB held for backward (parameters "
-          "left\nout); in BitLin: the part saved in (Auto)BitLinears\n" + " " * 22
+          "BitNet: AutoBitLinear online, torchao BitNet: bitnet_training(). saved: MiB "
+          "held for\nbackward (parameters left out); in BitLin: the part saved in the "
+          "ternary layers\n" + " " * 22
           + "".join(f"{h:>{len(cols)}}" for h in head)
           + "\n" + " " * 22 + cols * len(sizes))
     for kind in kinds:
         print(f"{kind:>22}" + "".join(f"{v:10.1f}" for s in sizes for v in res[kind, s]))
     pairs = [('ours', 'fp twin'), ('reference', 'ours')] + [*zip(peers, ('ours', 'fp twin'))]
+    pairs += [('torchao BitNet', 'ours')] if 'torchao BitNet' in peers else []
     for a, b in pairs:
         cells = [f"{u / v:9.2f}x" if u and v else " " * 10
                  for s in sizes for u, v in zip(res[a, s], res[b, s])]
