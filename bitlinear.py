@@ -151,12 +151,18 @@ class BitLinear(nn.Linear):
 INT8_UNITS_ON_CPU = 'AVX512' in torch.backends.cpu.get_cpu_capability()
 
 
+def has_int8_units(t):
+    """Whether int8 matmuls on t's device run on int8 units."""
+    return t.is_cuda or INT8_UNITS_ON_CPU
+
+
 def int8_matmul(a, b):
-    """a (M, K) @ b (N, K)^T for int8 a, b, exact in int32 (returned as fp32):
-    torch._int_mm on int8 units where the shapes allow, else fp32, exact too while
-    K * 128 < 2^24 (with autocast off: it would round to bf16)."""
-    units = a.is_cuda or INT8_UNITS_ON_CPU
-    if units and a.shape[0] > 16 and a.shape[1] % 8 == 0 and b.shape[0] % 8 == 0:
+    """a (M, K) @ b (N, K)^T for integer codes, exact in int32 (returned as fp32):
+    torch._int_mm where a is int8 on int8 units and the shapes allow, else fp32
+    (a may already hold its codes in fp32), exact too while K * 128 < 2^24 (with
+    autocast off: it would round to bf16)."""
+    fits = a.shape[0] > 16 and a.shape[1] % 8 == 0 and b.shape[0] % 8 == 0
+    if a.dtype == torch.int8 and has_int8_units(a) and fits:
         return torch._int_mm(a, b.t()).float()
     with torch.autocast(a.device.type, enabled=False):
         return a.float() @ b.float().t()
@@ -192,9 +198,11 @@ class BitLinearFunction(torch.autograd.Function):
         ctx.x_dtype = x.dtype
         ctx.dtype = autocast_dtype(x.device.type) or x.dtype  # of the output and backward
         if ternary:
-            x_q = x_q.to(torch.int8)
-            ctx.save_for_backward(x_q, s, w_q, gamma)
-            y = int8_matmul(x_q, w_q) * (gamma / s)  # (M, N)
+            x_int8 = x_q.to(torch.int8)
+            ctx.save_for_backward(x_int8, s, w_q, gamma)
+            # without int8 units the fp32 codes go to the fp32 matmul as they are
+            y = int8_matmul(x_int8 if has_int8_units(x) else x_q, w_q)  # (M, N)
+            y = y.mul_(gamma / s)  # in place: y is the matmul's own fresh output
             y = y if bias is None else y + bias
         else:
             x_f = torch.lerp(x2.float(), x_q / s, lam)
@@ -210,7 +218,7 @@ class BitLinearFunction(torch.autograd.Function):
             x_q, s, w_q, gamma = ctx.saved_tensors
             # divide in fp32: in fp16 a token with max|x| < 1.9e-3 has s > 65504 = inf,
             # and x_q / s = 0
-            x_f, w_f = (x_q / s).to(g.dtype), w_q.to(g.dtype) * gamma.to(g.dtype)
+            x_f, w_f = (x_q / s).to(g.dtype), w_q * gamma.to(g.dtype)  # int8 * gamma: one pass
         else:
             x_f, w_f = (t.to(g.dtype) for t in ctx.saved_tensors)
         grad_x = (g @ w_f).view(*grad_y.shape[:-1], w_f.shape[-1])
@@ -231,8 +239,11 @@ class SubLN(nn.RMSNorm):
     def __init__(self, dim, eps=1e-5, device=None, dtype=None):
         super().__init__(dim, eps=eps, device=device, dtype=dtype)
         self.register_buffer('lam', torch.ones((), device=device), persistent=False)
+        self.full = True  # lam == 1: the norm alone (the lerp would return it, bit for bit)
 
     def forward(self, x):
+        if self.full:  # no blend pass forward, none backward
+            return super().forward(x)
         return torch.lerp(x, super().forward(x), self.lam.to(x.dtype))
 
 
@@ -311,6 +322,8 @@ def set_lambda(module, lam):
             m.lam.fill_(lam)
         if isinstance(m, BitLinear):
             m.ternary = lam >= 1
+        if isinstance(m, SubLN):
+            m.full = lam >= 1
 
 
 # ------------------------------------------------------ inference: frozen 2-bit weights
