@@ -57,7 +57,14 @@ class ModelConfig:
     max_seq_len: int = 2048      # length of the precomputed RoPE table
     tie_embeddings: bool = True
     act: str = 'silu'            # 'silu' (Llama, SmolLM2) or 'relu2' (BitNet b1.58 2B4T)
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v and o_proj biased (Llama's attention_bias)
+    qkv_bias: bool = False       # q/k/v biased, o_proj not (Qwen2)
+    qk_norm: bool = False        # an RMSNorm on each head's q and k before RoPE (Qwen3)
+    sliding_window: int = 0      # each token sees the last this many (Mistral; 0: all)
+    rope_scaling: dict = None    # Llama 3's ('llama3') or linear RoPE scaling, as in
+                                 # config.json (None: none)
+    family: str = 'llama'        # the Hugging Face model_type it loads from and saves as:
+                                 # 'llama', 'mistral', 'qwen2' or 'qwen3'
     subln: bool = False          # the two extra RMSNorms of BitNet
                                  # (always on when bitnet)
     bitnet: bool = False         # attention/MLP linears are ternary BitLinear
@@ -86,6 +93,26 @@ class ModelConfig:
             raise ValueError(f"top_k={self.top_k} must be between 1 and "
                              f"n_experts={self.n_experts}")
         self.moe_intermediate_size = self.moe_intermediate_size or self.intermediate_size
+        if self.family not in FAMILIES:
+            raise ValueError(f"family={self.family!r} is not supported; "
+                             f"use one of {', '.join(FAMILIES)}")
+        for switch, value in FAMILIES[self.family][1].items():
+            if getattr(self, switch) != value:
+                raise ValueError(f"family={self.family!r} has {switch}={value}; "
+                                 f"set it so or pick another family")
+        if self.sliding_window and self.family != 'mistral':
+            raise ValueError("sliding_window is Mistral's; set family='mistral' or "
+                             "sliding_window=0")
+        rope_frequencies(2, 1.0, self.rope_scaling)  # checks the scaling's kind
+
+
+# model_type: the transformers class, and the switches that model_type fixes
+FAMILIES = {
+    'llama': ('LlamaForCausalLM', dict(qkv_bias=False, qk_norm=False)),
+    'mistral': ('MistralForCausalLM', dict(qkv_bias=False, qk_norm=False, attention_bias=False)),
+    'qwen2': ('Qwen2ForCausalLM', dict(qkv_bias=True, qk_norm=False, attention_bias=False)),
+    'qwen3': ('Qwen3ForCausalLM', dict(qkv_bias=False, qk_norm=True)),
+}
 
 
 class Attention(nn.Module):
@@ -96,11 +123,18 @@ class Attention(nn.Module):
         self.n_kv_head = cfg.n_kv_head
         self.head_dim = cfg.head_dim
         C, bias = cfg.n_embd, cfg.attention_bias
-        self.q_proj = nn.Linear(C, cfg.n_head * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(C, cfg.n_kv_head * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(C, cfg.n_kv_head * cfg.head_dim, bias=bias)
-        self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, C, bias=bias)
-        self.attn_sub_norm = SubLN(C, eps=cfg.norm_eps) if cfg.subln else nn.Identity()
+        qkv_bias = bias or cfg.qkv_bias
+        heads = cfg.n_head * cfg.head_dim  # o_proj's input, which may differ from C
+        self.q_proj = nn.Linear(C, heads, bias=qkv_bias)
+        self.k_proj = nn.Linear(C, cfg.n_kv_head * cfg.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(C, cfg.n_kv_head * cfg.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(heads, C, bias=bias)
+        self.attn_sub_norm = SubLN(heads, eps=cfg.norm_eps) if cfg.subln else nn.Identity()
+        if cfg.qk_norm:  # one gain per channel of a head, shared by all heads
+            self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+            self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+        else:
+            self.q_norm = self.k_norm = nn.Identity()
         self.fused = None  # q/k/v in one call, set by engine.fuse
 
     def forward(self, x, cos, sin, cache=None, pos=0, causal=True, qkv=None, mask=None):
@@ -114,8 +148,8 @@ class Attention(nn.Module):
         if qkv is not None:
             qkv += [q, k, v]
         # (B, T, nh*hs) -> (B, nh, T, hs); K and V have fewer (shared) heads under GQA
-        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q = self.q_norm(q.view(B, T, self.n_head, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(k.view(B, T, self.n_kv_head, self.head_dim)).transpose(1, 2)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # write this step's K/V, then attend over everything so far
@@ -124,7 +158,7 @@ class Attention(nn.Module):
             k, v = cache[0][:, :, :pos + T], cache[1][:, :, :pos + T]
         # a single new token may look at the whole cache, so only a multi-token step is
         # causal; causal=False is the bidirectional attention of masked diffusion; a
-        # padding mask (Transformer.forward) holds the causal rule itself
+        # mask (Transformer.forward: padding, a sliding window) holds the causal rule itself
         is_causal = causal and T > 1 and mask is None
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                            enable_gqa=self.n_kv_head != self.n_head)
@@ -168,21 +202,52 @@ class Block(nn.Module):
         return x + self.mlp(h)
 
 
-def padding_mask(valid, pos, T):
-    """(B, 1, T, pos + T) attention mask for queries at pos..pos + T - 1: a real key at or
-    before the query. A padding position also sees itself, so that no row of the softmax
-    is empty (NaN); nothing real ever looks at it."""
-    keys = torch.arange(pos + T, device=valid.device)
+def attention_mask(valid, pos, T, window, device):
+    """(B or 1, 1, T, pos + T) attention mask for queries at pos..pos + T - 1, or None
+    where SDPA's own causal rule is all there is: a key at or before the query, within
+    the last `window` positions (a sliding window, 0: all), and real (`valid`, (B, pos +
+    T)). A padding position also sees itself, so that no row of the softmax is empty
+    (NaN); nothing real ever looks at it."""
+    windowed = window and pos + T > window
+    if valid is None and not windowed:
+        return None
+    keys = torch.arange(pos + T, device=device)
     queries = keys[pos:, None]
-    seen = valid[:, None, :] & (keys <= queries)  # (B, T, pos + T)
-    return (seen | (keys == queries))[:, None]
+    seen = keys <= queries  # (T, pos + T)
+    if windowed:
+        seen = seen & (keys > queries - window)
+    if valid is not None:
+        seen = valid[:, None, :] & seen | (keys == queries)  # (B, T, pos + T)
+    return seen[:, None] if seen.dim() == 3 else seen[None, None]
 
 
-def rope_table(head_dim, max_seq_len, theta):
-    # the rotation angle of pair i at position t is t * theta^(-2i/d),
-    # in fp32 as in Llama
+def rope_frequencies(head_dim, theta, scaling=None):
+    """The rotation speed of each pair, theta^(-2i/d) (in fp32, as in Llama), scaled
+    for a longer context: 'linear' divides every speed by `factor` (Chen et al. 2023,
+    position interpolation); 'llama3' (Llama 3.1) divides the slow ones, whose
+    wavelength exceeds original_max_position_embeddings / low_freq_factor, keeps the
+    fast ones (wavelength under ... / high_freq_factor) and blends in between."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / theta ** exponents
+    kind = (scaling or {}).get('rope_type', (scaling or {}).get('type', 'default'))
+    if kind == 'default':
+        return inv_freq
+    if kind == 'linear':
+        return inv_freq / scaling['factor']
+    if kind != 'llama3':
+        raise ValueError(f"rope scaling {kind!r} is not supported; "
+                         "use 'llama3', 'linear' or none")
+    factor, context = scaling['factor'], scaling['original_max_position_embeddings']
+    low, high = scaling['low_freq_factor'], scaling['high_freq_factor']
+    wavelength = 2 * math.pi / inv_freq
+    # 0 at the slow end, 1 at the fast end, linear in context / wavelength between
+    smooth = ((context / wavelength - low) / (high - low)).clamp(0, 1)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+def rope_table(head_dim, max_seq_len, theta, scaling=None):
+    # the rotation angle of pair i at position t is t * inv_freq[i]
+    inv_freq = rope_frequencies(head_dim, theta, scaling)
     angles = torch.outer(torch.arange(max_seq_len).float(), inv_freq)
     # (T, hs): the "rotate half" layout of HF Llama
     angles = torch.cat((angles, angles), dim=-1)
@@ -217,7 +282,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        cos, sin = rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer('cos', cos, persistent=False)
         self.register_buffer('sin', sin, persistent=False)
         self.apply(self._init_weights)
@@ -302,7 +367,10 @@ class Transformer(nn.Module):
         x = self.embed_tokens(idx)  # (B, T, C)
         cos, sin = self.cos[pos:pos + T].to(x.dtype), self.sin[pos:pos + T].to(x.dtype)
         feats = {} if feats is None else feats
-        mask = None if valid is None else padding_mask(valid, pos, T)
+        if not causal and self.config.sliding_window:
+            raise ValueError("bidirectional attention (causal=False) with a sliding "
+                             "window is not supported")
+        mask = attention_mask(valid, pos, T, self.config.sliding_window, idx.device)
         for i, block in enumerate(self.layers):
             if 'inputs' in feats:
                 x = feats['inputs'][i]
@@ -417,16 +485,24 @@ HF_KEYS = dict(vocab_size='vocab_size', n_layer='num_hidden_layers',
                bos_token_id='bos_token_id', eos_token_id='eos_token_id')
 
 
+# our ternary models of other families, which no transformers class opens (its BitNet
+# has no q/k norm, no q/k/v-only bias, no sliding window; see config_to_hf)
+OWN_TYPES = ('bitnet', 'bitnet_lrc', 'bitnet_moe', *(f'bitnet_{f}' for f in FAMILIES))
+
+
 def config_from_hf(hf):
     kind = hf.get('model_type')
-    if kind not in ('llama', 'bitnet', 'bitnet_lrc', 'qwen2_moe', 'bitnet_moe'):
-        raise ValueError(f"model_type {kind!r} is not supported; "
-                         "use a llama, qwen2_moe or bitnet checkpoint")
+    if kind not in (*FAMILIES, 'qwen2_moe', *OWN_TYPES):
+        raise ValueError(f"model_type {kind!r} is not supported; use a checkpoint of "
+                         f"{', '.join(FAMILIES)}, qwen2_moe or bitnet")
     moe = moe_from_hf(hf) if kind in ('qwen2_moe', 'bitnet_moe') else {}
+    family = hf.get('family', 'llama') if kind in OWN_TYPES else kind
+    family = 'llama' if family == 'qwen2_moe' else family
     kind = 'bitnet' if kind.startswith('bitnet') else kind
+    if hf.get('use_sliding_window'):
+        raise ValueError("use_sliding_window=true (Qwen's windows on some layers) is not "
+                         "supported; use a checkpoint with it false")
     rope = hf.get('rope_parameters') or hf.get('rope_scaling') or {}
-    if (scaling := rope.get('rope_type', rope.get('type', 'default'))) != 'default':
-        raise ValueError(f"rope scaling {scaling!r} is not supported")
     if hf.get('mlp_bias'):
         raise ValueError("mlp_bias=true is not supported; "
                          "Llama-family MLPs here have no bias")
@@ -442,6 +518,12 @@ def config_from_hf(hf):
     kw = {ours: hf[theirs] for ours, theirs in HF_KEYS.items()
           if hf.get(theirs) is not None} | moe
     kw['rope_theta'] = float(rope.get('rope_theta', hf.get('rope_theta', 10000.0)))
+    if (scaling := rope.get('rope_type', rope.get('type', 'default'))) != 'default':
+        kept = {k: v for k, v in rope.items() if k not in ('rope_theta', 'type')}
+        kw['rope_scaling'] = kept | {'rope_type': scaling}
+    kw |= dict(FAMILIES[family][1], family=family)
+    if family == 'mistral':
+        kw['sliding_window'] = hf.get('sliding_window') or 0
     kw.setdefault('tie_embeddings', False)  # the Llama default
     kw['bitnet'] = kw['subln'] = kind == 'bitnet'
     # the old 'bitlinear' class is always packed
@@ -451,10 +533,14 @@ def config_from_hf(hf):
 
 def config_to_hf(cfg, dtype):
     hf = {theirs: getattr(cfg, ours) for ours, theirs in HF_KEYS.items()}
+    rope = {'rope_type': 'default'} | (cfg.rope_scaling or {})
     hf.update(rope_theta=cfg.rope_theta, dtype=str(dtype).removeprefix('torch.'),
-              mlp_bias=False,
-              rope_parameters={'rope_type': 'default', 'rope_theta': cfg.rope_theta},
-              model_type='llama', architectures=['LlamaForCausalLM'])
+              mlp_bias=False, rope_parameters=rope | {'rope_theta': cfg.rope_theta},
+              model_type=cfg.family, architectures=[FAMILIES[cfg.family][0]])
+    if cfg.family == 'mistral':
+        hf['sliding_window'] = cfg.sliding_window or None
+    if cfg.family.startswith('qwen'):
+        hf.update(use_sliding_window=False, sliding_window=None)
     if cfg.n_experts:
         if cfg.attention_bias:
             raise ValueError("Qwen2-MoE has no o_proj bias: "
@@ -464,15 +550,17 @@ def config_to_hf(cfg, dtype):
         hf.update(model_type='qwen2_moe', architectures=['Qwen2MoeForCausalLM'],
                   qkv_bias=False, shared_expert_intermediate_size=shared)
     if cfg.bitnet:
-        if cfg.head_dim * cfg.n_head != cfg.n_embd:
-            raise ValueError("BitNetForCausalLM needs head_dim * n_head == n_embd")
         mode = 'offline' if cfg.packed else 'online'
         quant = {'quant_method': 'bitnet', 'linear_class': 'autobitlinear',
                  'quantization_mode': mode}
         hf.update(model_type='bitnet', architectures=['BitNetForCausalLM'],
-                  quantization_config=quant)
-        # transformers has neither low-rank corrections nor ternary experts, and would
-        # drop them silently: these names make it refuse
+                  quantization_config=quant, family=cfg.family)
+        # transformers has neither low-rank corrections nor ternary experts, nor (in its
+        # BitNet) any family's layers but Llama's, and would drop them silently: these
+        # names make it refuse
+        if cfg.family != 'llama' or cfg.head_dim * cfg.n_head != cfg.n_embd:
+            hf.update(model_type=f'bitnet_{cfg.family}',
+                      architectures=[f'BitNet{cfg.family.title()}ForCausalLM'])
         if cfg.lrc_rank:
             hf.update(model_type='bitnet_lrc', architectures=['BitNetLRCForCausalLM'])
         if cfg.n_experts:
