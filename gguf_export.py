@@ -6,7 +6,8 @@ loader imports.)
 A GGUF file is a header of typed key-values (the architecture's hyperparameters, the
 tokenizer), a table of tensors (name, shape, ggml type, offset), then the tensors'
 bytes, each aligned to 32 (llama.cpp's ggml/src/gguf.cpp reads it). A ternary model goes
-in llama.cpp's `bitnet` architecture, an fp one in `llama`.
+in llama.cpp's `bitnet` architecture, an fp one in its family's (`llama` for Llama and
+Mistral, `qwen2`, `qwen3`).
 
 Ternary matrices are stored exactly. GGUF stores a matrix row by row in blocks
 (ggml-quants.c in llama.cpp; TQ1_0 and TQ2_0 by compilade, 2024): TQ2_0 and TQ1_0 hold
@@ -17,8 +18,8 @@ length is not a multiple of 256; F16 (no blocks) for rows not a multiple of 32, 
 
 The tokenizer goes in as llama.cpp's 'gpt2' BPE keys (`gguf_vocab`), and LoRA adapters
 on a ternary base as llama.cpp's separate adapter file (`save_lora_gguf`). This file
-works from a state dict and a config: it needs bitlinear.py (the quantizer) and
-tokenizer.py beside it, not model.py.
+works from a state dict and a config: it needs bitlinear.py (the quantizer), model.py
+(RoPE's frequencies) and tokenizer.py beside it.
 """
 import math
 import os
@@ -27,6 +28,7 @@ import struct
 import torch
 
 from bitlinear import unpack_hf, weight_quant
+from model import rope_frequencies
 from tokenizer import DIGITS_PATTERN, GPT2_PATTERN, LLAMA3_PATTERN, byte_alphabet
 
 # ---------------------------------------------------------- llama.cpp's block layouts
@@ -81,6 +83,17 @@ def pack_f16(w_q, gamma):
     return (w_q.to(torch.float16) * gamma.to(torch.float16)).view(torch.uint8)
 
 
+def quantize_q8_0(w):
+    """(N, K) fp weights, K % 32 == 0 -> Q8_0 rows, as llama.cpp quantizes them: per 32
+    weights d = max|w| / 127 (stored in fp16) and q = round(w / d) (from the fp32 d)."""
+    N, K = w.shape
+    blocks = w.float().view(N, K // 32, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = (blocks * torch.where(d > 0, 1 / d, 0)).round().to(torch.int8)
+    d = d.half().view(torch.uint8).view(N, K // 32, 2)
+    return torch.cat([d, q.view(torch.uint8)], -1).flatten(1)
+
+
 # packer, ggml type, the multiple a row's length must be;
 # all exact (F16 fits any row, at 16 bits)
 TERNARY = {'tq2_0': (pack_tq2_0, 35, 256), 'tq1_0': (pack_tq1_0, 34, 256),
@@ -88,12 +101,15 @@ TERNARY = {'tq2_0': (pack_tq2_0, 35, 256), 'tq1_0': (pack_tq1_0, 34, 256),
 # LLAMA_FTYPE_* of the whole file
 FILE_TYPE = {torch.float32: 0, torch.float16: 1,
              'f16': 1, 'q8_0': 7, 'tq1_0': 36, 'tq2_0': 37}
+# the llama.cpp architecture of each family's fp model
+ARCH = {'llama': 'llama', 'mistral': 'llama', 'qwen2': 'qwen2', 'qwen3': 'qwen3'}
 # our (Hugging Face) module names -> llama.cpp's tensor names
 NAMES = dict(embed_tokens='token_embd', norm='output_norm', lm_head='output',
              input_layernorm='attn_norm', q_proj='attn_q', k_proj='attn_k',
              v_proj='attn_v', o_proj='attn_output', attn_sub_norm='attn_sub_norm',
              post_attention_layernorm='ffn_norm', gate_proj='ffn_gate', up_proj='ffn_up',
-             down_proj='ffn_down', ffn_sub_norm='ffn_sub_norm')
+             down_proj='ffn_down', ffn_sub_norm='ffn_sub_norm', q_norm='attn_q_norm',
+             k_norm='attn_k_norm')
 
 # ---------------------------------------------------------- the file
 
@@ -137,7 +153,10 @@ def unsupported(cfg):
     """What llama.cpp's architecture for this model lacks
     (an empty list: it can be exported)."""
     b = cfg.bitnet
-    lacks = {'low-rank corrections': cfg.lrc_rank,
+    lacks = {f'{cfg.family} layers': b and cfg.family != 'llama',
+             'RoPE scaling': b and cfg.rope_scaling,
+             'q/k/v biases without an o_proj bias': cfg.qkv_bias and ARCH[cfg.family] == 'llama',
+             'low-rank corrections': cfg.lrc_rank,
              'a mixture of experts': cfg.n_experts,
              'ReLU^2 (it uses SiLU)': cfg.act != 'silu',
              'attention biases': b and cfg.attention_bias,
@@ -153,18 +172,20 @@ def save_gguf(path, state_dict, cfg, vocab, ternary='tq2_0', dtype=torch.float32
     ternary model in llama.cpp's `bitnet` architecture (the two sub-norms, the head tied
     to the embedding), each ternary matrix exactly, W_q with d = gamma in fp16, as
     `ternary` (TQ2_0 or TQ1_0; Q8_0 or F16 for rows whose length is not a multiple of
-    256), or all Q8_0 or F16; an fp model in its `llama` architecture. The embedding
-    (and an untied head) in `dtype` (fp32 or fp16), norms in fp32. Latent weights are
-    quantized here, packed ones (uint8, transformers' offline layout) unpacked.
-    `vocab`: gguf_vocab's keys."""
-    arch = 'bitnet' if cfg.bitnet else 'llama'
+    256), or all Q8_0 or F16; an fp model in its family's architecture (ARCH). The
+    embedding (and an untied head) in `dtype` (fp32 or fp16), norms in fp32; an fp
+    model's matrices in `dtype` too, or in Q8_0 (dtype 'q8_0'; the embedding then in
+    fp32). Latent weights are quantized here, packed ones (uint8, transformers' offline
+    layout) unpacked. llama.cpp's `llama` has no sliding window: a Mistral's context is
+    cut to its window, within which the two agree. `vocab`: gguf_vocab's keys."""
+    arch = 'bitnet' if cfg.bitnet else ARCH[cfg.family]
     lacks = unsupported(cfg)
     if lacks:
         raise ValueError(f"no GGUF export: llama.cpp's {arch} model "
                          f"has no {', '.join(lacks)}")
-    if ternary not in TERNARY or dtype not in (torch.float32, torch.float16):
+    if ternary not in TERNARY or dtype not in (torch.float32, torch.float16, 'q8_0'):
         raise ValueError(f"ternary type {ternary!r} or dtype {dtype} unknown; use "
-                         f"{'/'.join(TERNARY)} and torch.float32/float16")
+                         f"{'/'.join(TERNARY)} and torch.float32/float16 or 'q8_0'")
     hs = cfg.head_dim
     rows = dict(q_proj=cfg.n_head * hs, k_proj=cfg.n_kv_head * hs,
                 v_proj=cfg.n_kv_head * hs, o_proj=cfg.n_embd,
@@ -197,6 +218,9 @@ def save_gguf(path, state_dict, cfg, vocab, ternary='tq2_0', dtype=torch.float32
             # the two halves of a head (x0, x_{d/2}): reorder each head's rows to match
             heads = cfg.n_head if module == 'q_proj' else cfg.n_kv_head
             v = v.reshape(heads, 2, -1, *v.shape[1:]).transpose(1, 2).reshape(v.shape)
+        if dtype == 'q8_0' and k.endswith('proj.weight') and v.shape[1] % 32 == 0:
+            tensors.append((name, 8, v.shape, quantize_q8_0(v).numpy().tobytes()))
+            continue
         half = v.dim() == 2 and dtype == torch.float16
         data = v.half() if half else v.float()
         tensors.append((name, 1 if half else 0, v.shape, data.numpy().tobytes()))  # F16, F32
@@ -207,6 +231,16 @@ def save_gguf(path, state_dict, cfg, vocab, ternary='tq2_0', dtype=torch.float32
             'attention.key_length': hs, 'attention.value_length': hs,
             'attention.head_count': cfg.n_head, 'attention.head_count_kv': cfg.n_kv_head,
             'attention.layer_norm_rms_epsilon': float(cfg.norm_eps)}
+    if cfg.sliding_window:  # llama.cpp's llama has no window: no context beyond it
+        meta['context_length'] = min(cfg.max_seq_len, cfg.sliding_window)
+    scaling = cfg.rope_scaling or {}
+    if scaling.get('rope_type') == 'linear':
+        meta.update({'rope.scaling.type': 'linear', 'rope.scaling.factor': float(scaling['factor'])})
+    if scaling.get('rope_type') == 'llama3':
+        # llama.cpp divides each pair's speed by its factor from this tensor
+        plain = rope_frequencies(hs, cfg.rope_theta)
+        factors = plain / rope_frequencies(hs, cfg.rope_theta, scaling)
+        tensors.append(('rope_freqs.weight', 0, factors.shape, factors.numpy().tobytes()))
     kv = {'general.architecture': arch,
           'general.file_type': FILE_TYPE[ternary if cfg.bitnet else dtype]}
     kv.update({f'{arch}.{k}': v for k, v in meta.items()})

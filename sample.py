@@ -43,13 +43,14 @@ packed = True          # ternary models on 2-bit weights (False: fake-quantized)
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
 export = ''            # a path: write the checkpoint there as GGUF for llama.cpp instead
 export_ternary = 'tq2_0'  # or 'tq1_0' (smaller, slower), 'q8_0', 'f16'
-export_dtype = 'float32'  # of the GGUF's embedding (and head): 'float32' or 'float16'
+export_dtype = 'float32'  # of the embedding (and head), and an fp model's matrices:
+                          # 'float32', 'float16', or 'q8_0' (matrices; embedding float32)
 merge = ''             # LoRA on an fp base: write the merged model there instead
 settings = {k: v for k, v in globals().items() if isinstance(v, (int, float, str))}
 settings = {k: v for k, v in settings.items() if not k.startswith('_')}
 ranges = {'prompt': 'non-empty', 'num_tokens': 'positive', 'temperature': 'non-negative',
           'top_k': 'positive', 'export_ternary': ('tq2_0', 'tq1_0', 'q8_0', 'f16'),
-          'export_dtype': ('float32', 'float16')}
+          'export_dtype': ('float32', 'float16', 'q8_0')}
 config = configure(settings, sys.argv[1:], ranges)
 globals().update(config)
 
@@ -91,7 +92,7 @@ if export:
     weights = base_state(model)  # the base; its adapters go to a file of their own
     try:
         save_gguf(export, weights, model.config, vocab, export_ternary,
-                  getattr(torch, export_dtype, None))
+                  getattr(torch, export_dtype, export_dtype))
     except (OSError, ValueError) as e:
         sys.exit(f"error: cannot export {ckpt!r} to GGUF: {e}")
     print(f"wrote {export}: {os.path.getsize(export) / 2**20:.1f} MiB")

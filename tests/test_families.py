@@ -24,12 +24,12 @@ FAMILIES = {
 }
 
 
-def hf_model(family, seed=0):
+def hf_model(family, seed=0, vocab=VOCAB):
     """A 2-layer model of the family with random norm gains and biases (transformers makes
     them 1 and 0, which would hide a misplaced norm or a dropped bias)."""
     name, extra = FAMILIES[family]
     torch.manual_seed(seed)
-    cfg = getattr(transformers, name)(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+    cfg = getattr(transformers, name)(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                       rms_norm_eps=1e-6, **extra)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
@@ -135,3 +135,50 @@ def test_a_config_that_no_family_can_save_is_refused_in_one_line():
         ModelConfig(rope_scaling={'rope_type': 'yarn', 'factor': 4.0})
     with pytest.raises(ValueError, match='family'):
         ModelConfig(family='gemma')
+
+
+def q8_0_dequantized(w):
+    """What llama.cpp reads back from Q8_0: per 32 weights, q = round(w * 127 / max|w|) times
+    the fp16 scale max|w| / 127."""
+    blocks = w.view(w.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = (blocks * torch.where(d > 0, 1 / d, 0)).round()
+    return (q * d.half().float()).view(w.shape)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('family', FAMILIES)
+def test_llama_cpp_runs_the_fp_and_q8_0_export_of_each_family(tmp_path, family):
+    """qwen2 and qwen3 in their own llama.cpp architectures, Llama 3 with its RoPE factors
+    (rope_freqs), Mistral within its window: F32 as we compute, Q8_0 as we compute with the
+    weights llama.cpp dequantizes (up to its rounding of activations to Q8_0 blocks)."""
+    import tokenizer
+    from test_gguf import agreement, export
+    ref = hf_model(family, vocab=320)
+    ref.save_pretrained(tmp_path / 'hf')
+    ours = Transformer.from_pretrained(str(tmp_path / 'hf')).eval()
+    enc, T = tokenizer.get_tokenizer('bytes'), ours.config.sliding_window or 64
+    text = torch.randint(300, (4 * T,), generator=torch.Generator().manual_seed(0)).tolist()
+    export(ours, tmp_path / 'f32.gguf', enc)
+    diff, top1 = agreement(ours, tmp_path / 'f32.gguf', text, T=T)
+    assert diff < 1e-3 and top1 == 1.0, (diff, top1)
+    types = {t.name: int(t.tensor_type) for t in export(ours, tmp_path / 'q8_0.gguf', enc, dtype='q8_0').tensors}
+    assert types['blk.0.attn_q.weight'] == 8 and types['blk.0.ffn_down.weight'] == 0  # Q8_0; F32 (48 columns)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if name.endswith('proj.weight') and p.shape[1] % 32 == 0:  # down_proj's 48: F32
+                p.copy_(q8_0_dequantized(p))
+    diff, top1 = agreement(ours, tmp_path / 'q8_0.gguf', text, T=T)
+    assert diff < 2e-2 and top1 >= 0.99, (diff, top1)  # llama.cpp's Q8_0 matmul rounds activations to Q8_0 too
+
+
+def test_a_ternary_export_of_a_family_llama_cpp_has_no_bitnet_for_is_refused_in_one_line(tmp_path):
+    import gguf_export
+    import tokenizer
+    ref = hf_model('qwen3', vocab=320)
+    ref.save_pretrained(tmp_path)
+    student = Transformer.from_pretrained(str(tmp_path)).to_bitnet()
+    vocab = gguf_export.gguf_vocab(tokenizer.get_tokenizer('bytes'), 320)
+    with pytest.raises(ValueError, match="llama.cpp's bitnet model has no qwen3 layers"):
+        gguf_export.save_gguf(str(tmp_path / 'm.gguf'), student.state_dict(), student.config, vocab)
+    assert not (tmp_path / 'm.gguf').exists()
