@@ -29,7 +29,8 @@ import torch
 
 from bitlinear import unpack_hf, weight_quant
 from model import rope_frequencies
-from tokenizer import DIGITS_PATTERN, GPT2_PATTERN, LLAMA3_PATTERN, byte_alphabet
+from tokenizer import (DIGITS_PATTERN, GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN,
+                       byte_alphabet)
 
 # ---------------------------------------------------------- llama.cpp's block layouts
 
@@ -272,7 +273,8 @@ def save_lora_gguf(path, adapters, alpha, arch='bitnet'):
 # ---------------------------------------------------------- the vocabulary
 
 # the names under which llama.cpp (src/llama-vocab.cpp) runs each pre-tokenizer regex
-LLAMA_CPP_PRE = {GPT2_PATTERN: 'gpt-2', DIGITS_PATTERN: 'smollm', LLAMA3_PATTERN: 'llama-bpe'}
+LLAMA_CPP_PRE = {GPT2_PATTERN: 'gpt-2', DIGITS_PATTERN: 'smollm', LLAMA3_PATTERN: 'llama-bpe',
+                 QWEN2_PATTERN: 'qwen2'}
 
 
 def gguf_vocab(enc, vocab_size):
@@ -284,7 +286,7 @@ def gguf_vocab(enc, vocab_size):
     if enc._pat_str not in LLAMA_CPP_PRE:
         raise ValueError(f"tokenizer {enc.name!r}: "
                          f"llama.cpp has no pre-tokenizer for its regex; "
-                         f"use a GPT-2, SmolLM2 or Llama 3 style tokenizer")
+                         f"use a GPT-2, SmolLM2, Llama 3 or Qwen2 style tokenizer")
     glyph = byte_alphabet()
     special = {enc.encode_single_token(s) for s in enc.special_tokens_set}
     pieces = [enc.decode_single_token_bytes(i) for i in range(enc.n_vocab)]

@@ -6,8 +6,9 @@ cl100k, Llama 3, SmolLM2) fits its three parts: a regex that cuts text into piec
 ranks, and special tokens. A Hugging Face tokenizer.json holds the same three things in
 another dress: its vocabulary spells bytes as printable characters (GPT-2's
 byte-to-unicode table, undone below), its merges come in the order of their ids (so an
-id is a rank), and its pre-tokenizer is a regex. The offline encoding 'bytes' is the
-degenerate case: no merges, one token per byte.
+id is a rank), and its pre-tokenizer is a regex. Qwen's also put text in Unicode's NFC
+form first (NFCEncoding). The offline encoding 'bytes' is the degenerate case: no merges,
+one token per byte.
 
 Chats are rendered in the tokenizer's own template (ChatML, or Llama 3's headers) with a
 loss mask that is 1 on the assistant's tokens only, the way SFT trains.
@@ -15,6 +16,7 @@ loss mask that is 1 on the assistant's tokens only, the way SFT trains.
 import json
 import os
 import re
+import unicodedata
 
 import requests
 import tiktoken
@@ -33,6 +35,9 @@ DIGITS_PATTERN = (r"""\p{N}|'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?[^\s\p{L}\p{N}]+|"""
 # contractions
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
                   r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen2's, Qwen2.5's and Qwen3's: Llama 3's with every digit its own piece
+QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
+                 r"\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 SPECIAL_TOKENS = ('<|endoftext|>', '<|mask|>', '<|im_start|>', '<|im_end|>')
 EOS_NAMES = ('<|endoftext|>', '<|end_of_text|>', '</s>')
 
@@ -54,6 +59,21 @@ def byte_alphabet():
     kept = {b: chr(b) for b in keep}
     shifted = {b: chr(256 + n) for n, b in enumerate(moved)}
     return {**kept, **shifted}
+
+
+class NFCEncoding(tiktoken.Encoding):
+    """An Encoding that puts text in NFC form before it encodes, as a tokenizer.json
+    with an NFC normalizer does (a character and its combining accent become the one
+    composed character). Decoding gives the normalized text."""
+
+    def encode_ordinary(self, text):
+        return super().encode_ordinary(unicodedata.normalize('NFC', text))
+
+    def encode(self, text, **kwargs):
+        return super().encode(unicodedata.normalize('NFC', text), **kwargs)
+
+    def encode_to_numpy(self, text, **kwargs):
+        return super().encode_to_numpy(unicodedata.normalize('NFC', text), **kwargs)
 
 
 def pre_tokenizer_pattern(pre, unsupported):
@@ -86,11 +106,12 @@ def hf_encoding(path):
         tj = json.load(f)
     model = tj.get('model', {})
     unsupported = (f"{path}: only a byte-level BPE tokenizer.json "
-                   f"(GPT-2, Llama 3, SmolLM2 style) can be converted; "
+                   f"(GPT-2, Llama 3, SmolLM2, Qwen style) can be converted; "
                    f"use one of those, a tiktoken name or 'bytes'")
     normalizer = tj.get('normalizer')
+    nfc = normalizer == {'type': 'NFC'}
     prefixed = model.get('byte_fallback') or model.get('continuing_subword_prefix')
-    if model.get('type') != 'BPE' or normalizer or prefixed:
+    if model.get('type') != 'BPE' or (normalizer and not nfc) or prefixed:
         raise ValueError(f"{unsupported}; this one is {model.get('type')} "
                          f"with normalizer {(normalizer or {}).get('type')}")
     pattern = pre_tokenizer_pattern(tj.get('pre_tokenizer'), unsupported)
@@ -110,8 +131,9 @@ def hf_encoding(path):
         merged.append(model['vocab'][''.join(parts)])
     if any(a > b for a, b in zip(merged, merged[1:])):
         raise ValueError(f"{unsupported}; its merges are not in the order of their ids")
-    return tiktoken.Encoding(os.path.abspath(path), pat_str=pattern,
-                             mergeable_ranks=ranks, special_tokens=added)
+    kind = NFCEncoding if nfc else tiktoken.Encoding
+    return kind(os.path.abspath(path), pat_str=pattern, mergeable_ranks=ranks,
+                special_tokens=added)
 
 
 def get_tokenizer(name):

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+import unicodedata
 
 import numpy as np
 import pytest
@@ -22,6 +23,8 @@ import tokenizer
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
           r"\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+         r"\s*[\r\n]+|\s+(?!\S)|\s+")
 TEXTS = ["Hello world!  It's   fine.\n\n\nNew paragraph: 12345, 3.14159 and 1,000,000 ",
          "def f(x):\n    return x ** 2  # a comment\n\t\ttabs\r\n\r\n",
          "Ünïcödé, 日本語のテキスト, 한국어, Россия, 😀👍🏽, ½ ² Ⅻ ٣٤",
@@ -36,14 +39,18 @@ def corpus():
 
 def train_hf_tokenizer(kind, folder, vocab=2000):
     """A byte-level BPE trained by HF tokenizers with the pre-tokenizer of GPT-2, Llama 3 or SmolLM2."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = {
         'gpt2': pre_tokenizers.ByteLevel(add_prefix_space=False),
         'llama3': pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3), behavior='isolated'),
                                            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),
         'smollm2': pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                            pre_tokenizers.ByteLevel(add_prefix_space=False)])}[kind]
+                                            pre_tokenizers.ByteLevel(add_prefix_space=False)]),
+        'qwen2': pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2), behavior='isolated'),
+                                          pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])}[kind]
+    if kind == 'qwen2':  # Qwen's tokenizers put text in NFC form first
+        tok.normalizer = normalizers.NFC()
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(corpus(), trainers.BpeTrainer(
         vocab_size=vocab, special_tokens=['<|endoftext|>', '<|im_start|>', '<|im_end|>'],
@@ -72,17 +79,19 @@ def fuzz(n, seed=0):
 # -----------------------------------------------------------------------------
 # tokenizers
 
-@pytest.mark.parametrize('kind', ['gpt2', 'llama3', 'smollm2'])
+@pytest.mark.parametrize('kind', ['gpt2', 'llama3', 'smollm2', 'qwen2'])
 def test_hf_tokenizer_json_matches_hf_tokenizers(kind, tmp_path):
     hf = train_hf_tokenizer(kind, str(tmp_path))
     for name in (str(tmp_path), str(tmp_path / 'tokenizer.json')):  # a directory or the file
         enc = tokenizer.get_tokenizer(name)
         assert isinstance(enc, tiktoken.Encoding) and enc.n_vocab == hf.get_vocab_size()
     merged = 0
-    for text in corpus()[:40] + TEXTS + fuzz(1000):
+    decomposed = ['cafe\u0301 na\u0308ive \u212b', 'e\u0301' * 5]  # NFC composes these (Qwen)
+    for text in corpus()[:40] + TEXTS + fuzz(1000) + decomposed:
         ours, theirs = enc.encode(text, allowed_special='all'), hf.encode(text, add_special_tokens=False).ids
         assert ours == theirs, (kind, text)
-        assert enc.decode(ours) == text
+        assert enc.decode(ours) == (unicodedata.normalize('NFC', text) if kind == 'qwen2' else text)
+        assert np.array_equal(enc.encode_to_numpy(text, disallowed_special=()), enc.encode(text, disallowed_special=()))
         merged += sum(t > 300 for t in ours)
     assert merged > 1000  # the merges were exercised, not only single bytes
     assert enc.encode('<|im_end|><custom>', allowed_special='all') == [hf.token_to_id('<|im_end|>'), hf.token_to_id('<custom>')]
