@@ -235,7 +235,7 @@ def rope_frequencies(head_dim, theta, scaling=None):
     if kind == 'linear':
         return inv_freq / scaling['factor']
     if kind != 'llama3':
-        raise ValueError(f"rope scaling {kind!r} is not supported; "
+        raise ValueError(f"rope_scaling {kind!r} is not supported; "
                          "use 'llama3', 'linear' or none")
     factor, context = scaling['factor'], scaling['original_max_position_embeddings']
     low, high = scaling['low_freq_factor'], scaling['high_freq_factor']

@@ -131,7 +131,7 @@ def test_a_config_that_no_family_can_save_is_refused_in_one_line():
         ModelConfig(family='qwen2')
     with pytest.raises(ValueError, match='sliding_window'):
         ModelConfig(sliding_window=8)
-    with pytest.raises(ValueError, match="rope scaling 'yarn'"):
+    with pytest.raises(ValueError, match="rope_scaling 'yarn'"):
         ModelConfig(rope_scaling={'rope_type': 'yarn', 'factor': 4.0})
     with pytest.raises(ValueError, match='family'):
         ModelConfig(family='gemma')
@@ -182,3 +182,49 @@ def test_a_ternary_export_of_a_family_llama_cpp_has_no_bitnet_for_is_refused_in_
     with pytest.raises(ValueError, match="llama.cpp's bitnet model has no qwen3 layers"):
         gguf_export.save_gguf(str(tmp_path / 'm.gguf'), student.state_dict(), student.config, vocab)
     assert not (tmp_path / 'm.gguf').exists()
+
+
+@pytest.mark.parametrize('config,family', [('config/qwen3.py', 'qwen3'), ('config/llama3.py', 'llama3')])
+def test_each_family_config_runs_two_steps_from_a_tiny_model_of_its_family(tmp_path, config, family):
+    """A local directory in place of the hub id (model, tokenizer), local text in place of TinyStories;
+    a variant we cannot run ends in one line naming its config key."""
+    import json
+    import math
+    import subprocess
+    import sys
+    from test_data import ROOT, corpus, train_hf_tokenizer
+    folder = tmp_path / 'model'
+    hf_model(family, vocab=2100).save_pretrained(folder)
+    train_hf_tokenizer('qwen2' if family == 'qwen3' else 'llama3', str(folder))
+    text = '\n'.join(corpus())
+    (tmp_path / 'train.txt').write_text(text[:200_000])
+    (tmp_path / 'val.txt').write_text(text[200_000:260_000])
+    files = {'train': str(tmp_path / 'train.txt'), 'val': str(tmp_path / 'val.txt')}
+
+    def train(out):
+        cmd = [sys.executable, 'train.py', config, f'--init_from={folder}', f'--teacher={folder}', f'--data_files={files}',
+               f'--dataset={tmp_path / "data"}', f'--out_dir={out}', '--max_steps=2', '--batch_size=2', '--block_size=32',
+               '--gradient_accumulation_steps=1', '--eval_interval=2', '--eval_iters=1', '--log_interval=1',
+               '--sample_tokens=0', '--compile=False']
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = train(tmp_path / 'out')
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    last = [json.loads(line) for line in open(tmp_path / 'out' / 'log.jsonl')][-1]
+    assert last['step'] == 2 and math.isfinite(last['val_loss'])
+    assert all(math.isfinite(last[f'loss_{k}']) for k in ('ce', 'kd'))
+    if family == 'qwen3':  # BitDistill's last stage: attention relations too
+        assert last['w_attn'] == 10 and math.isfinite(last['loss_attn'])
+    saved = Transformer.from_pretrained(str(tmp_path / 'out' / 'ckpt_0000002'))
+    assert saved.config.family == FAMILIES[family][0].removesuffix('Config').lower() and saved.config.bitnet
+
+    hf = json.loads((folder / 'config.json').read_text())
+    if family == 'qwen3':
+        hf.update(use_sliding_window=True, sliding_window=16, max_window_layers=1)
+        key = 'use_sliding_window'
+    else:
+        hf['rope_parameters'] = dict(hf['rope_parameters'], rope_type='yarn')
+        key = 'rope_scaling'
+    (folder / 'config.json').write_text(json.dumps(hf))
+    r = train(tmp_path / 'refused')
+    line = r.stderr.strip()
+    assert r.returncode != 0 and '\n' not in line and key in line, line
