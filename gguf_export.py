@@ -236,7 +236,8 @@ def save_gguf(path, state_dict, cfg, vocab, ternary='tq2_0', dtype=torch.float32
         meta['context_length'] = min(cfg.max_seq_len, cfg.sliding_window)
     scaling = cfg.rope_scaling or {}
     if scaling.get('rope_type') == 'linear':
-        meta.update({'rope.scaling.type': 'linear', 'rope.scaling.factor': float(scaling['factor'])})
+        meta['rope.scaling.type'] = 'linear'
+        meta['rope.scaling.factor'] = float(scaling['factor'])
     if scaling.get('rope_type') == 'llama3':
         # llama.cpp divides each pair's speed by its factor from this tensor
         plain = rope_frequencies(hs, cfg.rope_theta)
