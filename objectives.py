@@ -550,9 +550,14 @@ class ObjectiveManager:
         curriculum = CurriculumScheduler(phases, blend)
         return cls(losses, curriculum, teacher, student.config.n_layer)
 
+    def active(self, progress):
+        """The names of the objectives that weigh more than 0 at `progress`."""
+        weights = self.curriculum.weights(progress)
+        return {n for n in self.objectives if weights.get(n, 0.0) > 0}
+
     def __call__(self, model, batch, progress):
         weights = self.curriculum.weights(progress)
-        active = {n: o for n, o in self.objectives.items() if weights.get(n, 0.0) > 0}
+        active = {n: self.objectives[n] for n in sorted(self.active(progress))}
         if not active:
             raise ValueError(f"no objective weighs more than 0 at {progress:.0%} "
                              f"of training; fix the curriculum")

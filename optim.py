@@ -81,6 +81,16 @@ def optimizer_step(optimizers, scaler, skip=False):
     scaler.update()
 
 
+def reset_moments(optimizers):
+    """Forget every optimizer's state (AdamW's moments and step count, Muon's momentum):
+    each parameter's next update starts as at step 1. A new curriculum phase calls it,
+    since moments sized by the old phase's gradients would scale the new phase's steps:
+    AdamW's second moments from block-wise reconstruction (gradient norm about 0.03) made
+    the first CE + KD steps tens of times the LR's size."""
+    for opt in optimizers:
+        getattr(opt, 'optim', opt).state.clear()  # ZeRO-1 keeps its shard's in .optim
+
+
 def drop_weight_decay(optimizers):
     """The second half of BitNet b1.58's two-stage schedule has no weight decay."""
     for opt in optimizers:

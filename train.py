@@ -36,7 +36,8 @@ from lora import attach_lora, load_adapters, save_adapters, set_adapters
 from model import ModelConfig, Transformer
 from objectives import ObjectiveManager, ce_loss, mask_token
 from optim import (SCHEDULES, ZClip, clip_gradients, drop_weight_decay, find_lr, fit_batch,
-                   lr_factor, make_optimizers, optimizer_step, param_groups, remix, set_lr)
+                   lr_factor, make_optimizers, optimizer_step, param_groups, remix,
+                   reset_moments, set_lr)
 from remote import Uploader, download_latest
 from rl import Rollouts
 from teachers import BaseTeacher, LocalTeacher, RemoteTeacher
@@ -110,6 +111,8 @@ lora_targets = ','.join(TARGETS)  # the linears (of each block) that get adapter
 objectives = {'ce': {}}
 curriculum = [(1.0, {'ce': 1.0})]
 blend = 'switch'       # or 'linear', 'cosine'
+phase_reset = True     # a step that trains other objectives than the last starts the
+                       # optimizer's moments afresh (the old phase's would size its steps)
 teacher = ''           # '' (none), a checkpoint or HF dir, or a vLLM URL http://...
 teacher_model = ''     # the model name a vLLM teacher serves
 teacher_top_k = 20     # logprobs per position from a vLLM teacher
@@ -565,6 +568,10 @@ while step < (stop_after or max_steps):
         drop_weight_decay(optimizers)
     if lambda_warmup:
         set_lambda(raw_model, min(1.0, step / (lambda_warmup * max_steps)))
+    # known from the step alone, so a resumed chunk resets where a straight run does
+    before = manager.active((step - 1) / max_steps) if step else None
+    if phase_reset and before is not None and manager.active(step / max_steps) != before:
+        reset_moments(optimizers)
     train_loss, metrics = micro_steps(step, b)
     grad_norm, zclipped = clip_gradients(model, optimizers, scaler, grad_clip, zclipper)
     skipped = not math.isfinite(grad_norm.item())

@@ -224,3 +224,26 @@ def test_init_from_a_directory_trains_with_its_own_tokenizer(tmp_path):
     r = run([*TINY, f'--out_dir={tmp_path / "b"}', f'--init_from={src}', '--max_steps=2', '--tokenizer=bytes'])
     assert r.returncode != 0 and r.stderr.strip().count('\n') == 0
     assert "tokenizer 'bytes' does not encode as the model's own" in r.stderr
+
+
+def test_a_new_phase_starts_the_optimizer_moments_afresh_in_a_straight_and_a_resumed_run(tmp_path):
+    """CE, then CE + masked diffusion from step 3 of 6: AdamW's step count restarts there (3 steps
+    taken since, not 6), the same in a run resumed at step 2 as in a straight one; phase_reset=False
+    carries the moments on, and so trains differently after the switch."""
+    phases = ["--objectives={'ce': {}, 'diffusion': {}}",
+              "--curriculum=[(0.5, {'ce': 1.0}), (1.0, {'ce': 1.0, 'diffusion': 1.0})]"]
+    args = [*TINY, *phases, '--max_steps=6', '--eval_interval=6']
+
+    def adam_steps(out):
+        state = torch.load(os.path.join(out, 'ckpt_0000006', 'train_state.pt'), weights_only=False)
+        return {int(s['step']) for opt in state['optimizers'] for s in opt['state'].values()}
+    straight, chunked, carried = (str(tmp_path / name) for name in ('straight', 'chunked', 'carried'))
+    assert run([*args, f'--out_dir={straight}']).returncode == 0
+    assert run([*args, f'--out_dir={chunked}', '--stop_after=2']).returncode == 0
+    r = run([*args, f'--out_dir={chunked}', '--init_from=resume'])
+    assert r.returncode == 0, r.stderr
+    assert run([*args, f'--out_dir={carried}', '--phase_reset=False']).returncode == 0
+    assert adam_steps(straight) == adam_steps(chunked) == {3} and adam_steps(carried) == {6}
+    losses = {out: [rec['loss'] for rec in log(out)] for out in (straight, chunked, carried)}
+    assert losses[straight] == losses[chunked]
+    assert losses[carried][:3] == losses[straight][:3] and losses[carried][4:] != losses[straight][4:]
