@@ -40,7 +40,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from bitlinear import SubLN, add_lrc, calibrate_subln, convert_to_bitnet, freeze
-from moe import MOE_KEYS, MoE, moe_from_hf, upcycle
+from moe import MOE_CLASSES, MOE_TYPES, MoE, moe_from_hf, moe_to_hf, upcycle
 
 
 @dataclass
@@ -437,6 +437,8 @@ class Transformer(nn.Module):
                 if bias in sd:
                     sd[bias] = sd[bias] * sd[k]
                 sd[k] = 1 / sd[k]
+        if MOE_TYPES[model.config.family] == 'mixtral' and model.config.n_experts:
+            sd = renamed(sd, MIXTRAL_NAMES, inbound=True)
         if tied := model.config.tie_embeddings:
             sd.pop('lm_head.weight', None)
         if not model.config.n_shared_experts:  # Qwen2-MoE's zero-wide one (it adds 0)
@@ -461,7 +463,8 @@ class Transformer(nn.Module):
             # safetensors stores a tensor once; HF re-ties on load
             sd.pop('lm_head.weight')
         cfg = self.config
-        if cfg.n_experts and not cfg.n_shared_experts and not cfg.bitnet:
+        moe_type = MOE_TYPES[cfg.family] if cfg.n_experts else None
+        if moe_type == 'qwen2_moe' and not cfg.n_shared_experts and not cfg.bitnet:
             # Qwen2-MoE always has a shared expert: a zero-wide one adds exactly 0
             C = cfg.n_embd
             shapes = {'.gate_proj.weight': (0, C), '.up_proj.weight': (0, C),
@@ -469,6 +472,8 @@ class Transformer(nn.Module):
             for i in range(cfg.n_layer):
                 for name, shape in shapes.items():
                     sd[f'model.layers.{i}.mlp.shared_expert{name}'] = torch.zeros(shape)
+        if moe_type == 'mixtral':
+            sd = renamed(sd, MIXTRAL_NAMES)
         save_file(sd, os.path.join(path, 'model.safetensors'), metadata={'format': 'pt'})
         with open(os.path.join(path, 'config.json'), 'w') as f:
             hf = config_to_hf(self.config, next(self.parameters()).dtype)
@@ -485,6 +490,24 @@ HF_KEYS = dict(vocab_size='vocab_size', n_layer='num_hidden_layers',
                bos_token_id='bos_token_id', eos_token_id='eos_token_id')
 
 
+# Mixtral's names for an MoE block's parts (ours are Qwen2-MoE's)
+MIXTRAL_NAMES = {'.mlp.': '.block_sparse_moe.', '.gate_proj.': '.w1.',
+                 '.up_proj.': '.w3.', '.down_proj.': '.w2.'}
+
+
+def renamed(sd, names, inbound=False):
+    """A state dict with our names of an MoE block's parts replaced by another family's
+    (`names`: ours -> theirs), or theirs by ours when `inbound`."""
+    pairs = [(b, a) for a, b in names.items()] if inbound else list(names.items())
+    out = {}
+    for k, v in sd.items():
+        if '.mlp.' in k or '.block_sparse_moe.' in k:
+            for a, b in pairs:
+                k = k.replace(a, b)
+        out[k] = v
+    return out
+
+
 # our ternary models of other families, which no transformers class opens (its BitNet
 # has no q/k norm, no q/k/v-only bias, no sliding window; see config_to_hf)
 OWN_TYPES = ('bitnet', 'bitnet_lrc', 'bitnet_moe', *(f'bitnet_{f}' for f in FAMILIES))
@@ -492,12 +515,18 @@ OWN_TYPES = ('bitnet', 'bitnet_lrc', 'bitnet_moe', *(f'bitnet_{f}' for f in FAMI
 
 def config_from_hf(hf):
     kind = hf.get('model_type')
-    if kind not in (*FAMILIES, 'qwen2_moe', *OWN_TYPES):
+    if kind not in (*FAMILIES, *MOE_CLASSES, *OWN_TYPES):
         raise ValueError(f"model_type {kind!r} is not supported; use a checkpoint of "
-                         f"{', '.join(FAMILIES)}, qwen2_moe or bitnet")
-    moe = moe_from_hf(hf) if kind in ('qwen2_moe', 'bitnet_moe') else {}
+                         f"{', '.join([*FAMILIES, *MOE_CLASSES])} or bitnet")
     family = hf.get('family', 'llama') if kind in OWN_TYPES else kind
-    family = 'llama' if family == 'qwen2_moe' else family
+    # an MoE's family: its dense sibling's (our Qwen2-MoE of a Llama has no q/k/v bias;
+    # Qwen's own, from before transformers wrote the key, always do)
+    moe_family = {'mixtral': 'mistral', 'qwen3_moe': 'qwen3',
+                  'qwen2_moe': 'qwen2' if hf.get('qkv_bias', True) else 'llama'}
+    family = moe_family.get(family, family)
+    moe = {}
+    if kind in MOE_CLASSES or kind == 'bitnet_moe':
+        moe = moe_from_hf(hf, MOE_TYPES[family])
     kind = 'bitnet' if kind.startswith('bitnet') else kind
     if hf.get('use_sliding_window'):
         raise ValueError("use_sliding_window=true (Qwen's windows on some layers) is not "
@@ -542,13 +571,10 @@ def config_to_hf(cfg, dtype):
     if cfg.family.startswith('qwen'):
         hf.update(use_sliding_window=False, sliding_window=None)
     if cfg.n_experts:
-        if cfg.attention_bias:
+        if cfg.attention_bias and MOE_TYPES[cfg.family] == 'qwen2_moe':
             raise ValueError("Qwen2-MoE has no o_proj bias: "
                              "a mixture of experts needs attention_bias=False")
-        shared = cfg.n_shared_experts * cfg.moe_intermediate_size
-        hf.update({theirs: getattr(cfg, ours) for ours, theirs in MOE_KEYS.items()})
-        hf.update(model_type='qwen2_moe', architectures=['Qwen2MoeForCausalLM'],
-                  qkv_bias=False, shared_expert_intermediate_size=shared)
+        hf.update(moe_to_hf(cfg, MOE_TYPES[cfg.family]))
     if cfg.bitnet:
         mode = 'offline' if cfg.packed else 'online'
         quant = {'quant_method': 'bitnet', 'linear_class': 'autobitlinear',

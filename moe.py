@@ -6,8 +6,12 @@ experts by softmax probability, and the layer's output is the sum of their outpu
 weighted by those probabilities, renormalised over the top_k when `norm_topk_prob` (as
 Mixtral does; Qwen2-MoE leaves them as they are by default). A shared expert, when there
 is one, sees every token, its output scaled by a sigmoid gate (Qwen2-MoE). The module
-names are Qwen2-MoE's: `gate` (the router), `experts.{i}.{gate,up,down}_proj`,
-`shared_expert`, `shared_expert_gate`.
+names are Qwen2-MoE's and Qwen3-MoE's: `gate` (the router),
+`experts.{i}.{gate,up,down}_proj`, `shared_expert`, `shared_expert_gate` (Mixtral's
+`block_sparse_moe.experts.{i}.w1/w3/w2` are renamed on the way in and out, model.py). The
+released families differ only in settings: Mixtral renormalises its top_k and has no
+shared expert; Qwen3-MoE has no shared expert and a norm_topk_prob setting; Qwen2-MoE
+always has a shared expert (ours writes a zero-wide one when there is none).
 
 The parameters grow with the number of experts, the work per token with top_k only: the
 (token, expert) pairs are sorted by expert, so that each expert gathers its tokens once and
@@ -24,8 +28,8 @@ model: each expert a copy of its MLP, the router new.
 
 This file needs only torch. `expert(hidden)` builds one expert with that hidden size
 (model.py: a gated MLP); `cfg` has n_embd, n_experts, top_k, norm_topk_prob,
-n_shared_experts and moe_intermediate_size; `moe_from_hf` reads them from a Qwen2-MoE
-config.json.
+n_shared_experts and moe_intermediate_size; `moe_from_hf` reads them from a Qwen2-MoE,
+Qwen3-MoE or Mixtral config.json, `moe_to_hf` writes them.
 """
 import copy
 
@@ -91,24 +95,48 @@ def upcycle(mlp, cfg):
     return moe
 
 
-# a Qwen2-MoE config.json's names for the settings above (model.py reads and writes them)
-MOE_KEYS = dict(n_experts='num_experts', top_k='num_experts_per_tok',
-                norm_topk_prob='norm_topk_prob', moe_intermediate_size='moe_intermediate_size')
+# the MoE model_type of each dense family (model.py), its transformers class, and its
+# config.json's names for the settings above
+MOE_TYPES = {'llama': 'qwen2_moe', 'qwen2': 'qwen2_moe', 'qwen3': 'qwen3_moe',
+             'mistral': 'mixtral'}
+MOE_CLASSES = {'qwen2_moe': 'Qwen2MoeForCausalLM', 'qwen3_moe': 'Qwen3MoeForCausalLM',
+               'mixtral': 'MixtralForCausalLM'}
+QWEN_KEYS = dict(n_experts='num_experts', top_k='num_experts_per_tok',
+                 norm_topk_prob='norm_topk_prob', moe_intermediate_size='moe_intermediate_size')
+MOE_KEYS = {'qwen2_moe': QWEN_KEYS, 'qwen3_moe': QWEN_KEYS,
+            'mixtral': dict(n_experts='num_local_experts', top_k='num_experts_per_tok',
+                            moe_intermediate_size='intermediate_size')}
 
 
-def moe_from_hf(hf):
-    """The MoE settings of a Qwen2-MoE config.json (or of our ternary MoE's), refusing
-    what our MoE lacks."""
-    lacks = {'qkv_bias': hf.get('qkv_bias'), 'a sliding window': hf.get('use_sliding_window'),
-             'dense layers': hf.get('mlp_only_layers') or hf.get('decoder_sparse_step', 1) > 1}
-    if any(lacks.values()):
-        raise ValueError(f"Qwen2-MoE with {[k for k, v in lacks.items() if v]} is not "
-                         "supported: every layer here is MoE, with full attention, no bias")
-    kw = {ours: hf[theirs] for ours, theirs in MOE_KEYS.items() if theirs in hf}
-    kw.setdefault('norm_topk_prob', False)  # Qwen2-MoE's default
+def moe_from_hf(hf, kind):
+    """The MoE settings of a config.json of `kind` (a MOE_CLASSES key; ours, ternary, as
+    its family's), refusing what our MoE lacks."""
+    if hf.get('mlp_only_layers') or hf.get('decoder_sparse_step', 1) > 1:
+        raise ValueError(f"{kind} with dense layers (mlp_only_layers, decoder_sparse_step) "
+                         "is not supported: every layer here is MoE")
+    kw = {ours: hf[theirs] for ours, theirs in MOE_KEYS[kind].items() if theirs in hf}
+    # the released files and transformers' own name the count either way
+    kw['n_experts'] = hf.get('num_experts') or hf.get('num_local_experts')
+    kw.setdefault('norm_topk_prob', kind == 'mixtral')  # Qwen's default: not renormalised
     shared = hf.get('shared_expert_intermediate_size', 0)
     if shared % kw['moe_intermediate_size']:
         raise ValueError(f"shared_expert_intermediate_size {shared} is no multiple of "
                          f"moe_intermediate_size {kw['moe_intermediate_size']}")
     kw['n_shared_experts'] = shared // kw['moe_intermediate_size']
     return kw
+
+
+def moe_to_hf(cfg, kind):
+    """The config.json keys of an MoE of `kind`, refusing what that family cannot hold."""
+    if kind != 'qwen2_moe' and cfg.n_shared_experts:
+        raise ValueError(f"{kind} has no shared expert: use n_shared_experts=0")
+    if kind == 'mixtral' and not cfg.norm_topk_prob:
+        raise ValueError("Mixtral renormalises its top_k weights: use norm_topk_prob=True")
+    hf = {theirs: getattr(cfg, ours) for ours, theirs in MOE_KEYS[kind].items()}
+    hf.update(model_type=kind, architectures=[MOE_CLASSES[kind]])
+    if kind == 'qwen2_moe':
+        shared = cfg.n_shared_experts * cfg.moe_intermediate_size
+        hf.update(shared_expert_intermediate_size=shared, qkv_bias=cfg.qkv_bias)
+    if kind == 'qwen3_moe':
+        hf.update(decoder_sparse_step=1, mlp_only_layers=[])
+    return hf

@@ -66,8 +66,8 @@ def test_a_transformers_qwen2_moe_loads_with_the_same_logits(tmp_path):
 def test_what_our_moe_lacks_is_refused_in_one_line(tmp_path):
     Transformer(config()).save_pretrained(tmp_path)
     hf = json.load(open(tmp_path / 'config.json'))
-    for bad, what in (({'qkv_bias': True}, 'qkv_bias'), ({'mlp_only_layers': [0]}, 'dense layers'),
-                      ({'shared_expert_intermediate_size': 24}, 'no multiple')):
+    for bad, what in (({'use_sliding_window': True}, 'use_sliding_window'), ({'mlp_only_layers': [0]}, 'dense layers'),
+                      ({'shared_expert_intermediate_size': 24}, 'no multiple'), ({'model_type': 'olmoe'}, 'olmoe')):
         json.dump(hf | bad, open(tmp_path / 'config.json', 'w'))
         with pytest.raises(ValueError, match=what):
             Transformer.from_pretrained(str(tmp_path))
@@ -311,3 +311,125 @@ def test_train_py_upcycles_a_dense_checkpoint_and_samples_from_it(tmp_path):
     r = run(*tiny, "--moe={'n_experts': 8, 'top_k': 2}", f'--out_dir={out}', '--init_from=resume',
             '--max_steps=3')
     assert r.returncode == 1 and 'was trained with moe=' in r.stderr and r.stderr.count('\n') == 1
+
+
+# ------------------------------------------------- the MoE checkpoints people download
+
+MOE_FAMILIES = {  # each as transformers makes it: Qwen2-MoE biases q, k and v, as every release does
+    'mixtral': ('MixtralConfig', dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24)),
+    'qwen3_moe': ('Qwen3MoeConfig', dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                         head_dim=16, norm_topk_prob=True)),
+    'qwen2_moe': ('Qwen2MoeConfig', dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                         shared_expert_intermediate_size=48)),
+}
+
+
+def hf_moe(kind, vocab=64, seed=0):
+    """A 2-layer MoE of the family, its weights all random (transformers starts routers at zero and
+    norms at one, which would hide a wrong routing or a misplaced norm)."""
+    name, extra = MOE_FAMILIES[kind]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, name)(**dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                                      | extra)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if 'norm' in n:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.2)
+    return model
+
+
+def router_choices(logits, k):
+    return logits.float().topk(k, dim=-1).indices.sort(dim=-1).values
+
+
+@pytest.mark.parametrize('kind', MOE_FAMILIES)
+def test_each_released_moe_family_loads_routes_and_saves_back_as_transformers_does(tmp_path, kind):
+    ref = hf_moe(kind)
+    ref.save_pretrained(tmp_path / 'hf')
+    ours = Transformer.from_pretrained(str(tmp_path / 'hf')).eval()
+    assert (ours.config.n_experts, ours.config.top_k) == (4, 2)
+    assert ours.config.n_shared_experts == (2 if kind == 'qwen2_moe' else 0)
+    assert ours.config.qkv_bias == (kind == 'qwen2_moe') and ours.config.qk_norm == (kind == 'qwen3_moe')
+    x = tokens()
+    with torch.no_grad():
+        theirs = ref(x, output_router_logits=True)
+        feats = {'router': []}
+        assert (ours(x, feats=feats) - theirs.logits).abs().max() < 1e-4
+    for mine, their in zip(feats['router'], theirs.router_logits, strict=True):  # every layer, every token
+        assert torch.equal(router_choices(mine, 2), router_choices(their, 2))
+    ours.save_pretrained(tmp_path / 'ours')
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'ours').eval()
+    assert type(back) is type(ref)
+    with torch.no_grad():
+        assert (back(x).logits - ours(x)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize('kind', MOE_FAMILIES)
+def test_load_balance_is_each_familys_own_loss_and_ternary_at_lambda_0_is_the_fp_moe(tmp_path, kind):
+    import importlib
+    from bitlinear import set_lambda
+    module = importlib.import_module(f'transformers.models.{kind}.modeling_{kind}')
+    torch.manual_seed(1)
+    for z in (torch.randn(40, 4), torch.randn(7, 4)):
+        theirs = module.load_balancing_loss_func((z,), 4, 2)
+        assert abs(theirs.item() - 2 * router_losses(z, 2)['load_balance'].item()) < 1e-5
+    hf_moe(kind).save_pretrained(tmp_path)
+    fp = Transformer.from_pretrained(str(tmp_path)).eval()
+    student = Transformer.from_pretrained(str(tmp_path)).to_bitnet([tokens()]).eval()
+    set_lambda(student, 0.0)
+    with torch.no_grad():
+        assert (student(tokens()) - fp(tokens())).abs().max() < 1e-5
+    set_lambda(student, 1.0)
+    student.save_pretrained(tmp_path / 'ternary')
+    assert json.load(open(tmp_path / 'ternary' / 'config.json'))['model_type'] == 'bitnet_moe'
+    again = Transformer.from_pretrained(str(tmp_path / 'ternary')).eval()
+    assert again.config.family == fp.config.family and again.config.n_experts == 4
+    with torch.no_grad():
+        assert torch.equal(again(tokens()), student(tokens()))
+
+
+@pytest.mark.parametrize('family', ['llama3', 'qwen2.5', 'qwen3', 'mistral'])
+def test_upcycling_each_dense_family_keeps_its_function_and_saves_as_its_moe_sibling(tmp_path, family):
+    from test_families import hf_model
+    hf_model(family).save_pretrained(tmp_path / 'dense')
+    dense = Transformer.from_pretrained(str(tmp_path / 'dense')).eval()
+    x = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        before = dense(x)
+        moe = dense.upcycle(4, 2)
+        assert (moe(x) - before).abs().max() < 1e-5
+    moe.save_pretrained(tmp_path / 'moe')
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'moe').eval()
+    sibling = {'llama3': 'Qwen2Moe', 'qwen2.5': 'Qwen2Moe', 'qwen3': 'Qwen3Moe', 'mistral': 'Mixtral'}[family]
+    assert type(theirs).__name__ == f'{sibling}ForCausalLM'
+    with torch.no_grad():
+        assert (theirs(x).logits - before).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize('kind, ranks', [('mixtral', 1), ('qwen3_moe', 1), ('qwen2_moe', 1), ('mixtral', 2)])
+def test_two_ternary_training_steps_from_each_moe_familys_tiny_model(tmp_path, kind, ranks):
+    """train.py converts the downloaded-style MoE to ternary and trains it with its router losses; the
+    Mixtral one also on two ranks under FSDP2. The checkpoint keeps the family."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    hf_moe(kind, vocab=320).save_pretrained(tmp_path / 'hf')
+    launch = [sys.executable] + (['-m', 'torch.distributed.run', '--nproc_per_node=2'] if ranks > 1 else [])
+    out = tmp_path / 'out'
+    cmd = [*launch, 'train.py', f'--init_from={tmp_path / "hf"}', '--tokenizer=bytes', '--bitnet=True',
+           f'--fsdp={ranks > 1}', f'--gradient_accumulation_steps={ranks}', '--batch_size=2', '--block_size=32',
+           '--max_steps=2', '--eval_interval=2',
+           '--eval_iters=1', '--log_interval=1', '--sample_tokens=0', f'--out_dir={out}']
+    r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    recs = [json.loads(line) for line in open(out / 'log.jsonl')]
+    assert [rec['step'] for rec in recs] == [1, 2]
+    assert all(math.isfinite(recs[-1][k]) for k in ('loss_ce', 'loss_router', 'val_loss'))
+    saved = Transformer.from_pretrained(str(out / 'ckpt_0000002'))
+    assert saved.config.bitnet and saved.config.n_experts == 4
+    assert saved.config.family == {'mixtral': 'mistral', 'qwen3_moe': 'qwen3', 'qwen2_moe': 'qwen2'}[kind]
