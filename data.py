@@ -237,6 +237,31 @@ class _Writer:
         self.parts, self.n, self.shards = [tokens[n:]], self.n - n, self.shards + 1
 
 
+def write_documents(folder, documents, tokenizer, shard_tokens=10 ** 8):
+    """Documents already tokenized ({'train': [...], 'val': [...]}, each a list of ids
+    that starts with <|endoftext|>, as prepare starts them) as the shards prepare
+    writes, with its marker, so that train.py reads them as any prepared folder
+    (dataset=folder, the same tokenizer). Returns the token count of each split."""
+    if shard_paths(folder, 'train') or shard_paths(folder, 'val'):
+        raise FileExistsError(f"{folder} already holds token shards; "
+                              f"delete them or use another")
+    os.makedirs(folder, exist_ok=True)
+    dtype = np.uint16 if get_tokenizer(tokenizer).n_vocab <= 1 << 16 else np.uint32
+    counts = {}
+    for split, docs in documents.items():
+        writer = _Writer(folder, split, shard_tokens)
+        for doc in docs:
+            writer.add(np.array(doc, dtype), None)
+        counts[split] = writer.shards * shard_tokens + writer.n
+        if writer.n:
+            writer.write(writer.n)
+    marker = os.path.join(folder, 'prepared.json')
+    with open(marker + '.tmp', 'w') as f:
+        json.dump({'tokenizer': tokenizer, 'format': 'generated'}, f)
+    os.replace(marker + '.tmp', marker)
+    return counts
+
+
 def prepare(files, folder, tokenizer='bytes', fmt='text', val_files=(), val_every=100,
             text_field='text', shard_tokens=10 ** 8, workers=None, unit=UNIT):
     """Tokenize `files` into shards folder/train_*.bin and val_*.bin (and *.mask for

@@ -196,6 +196,27 @@ def rollout(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, stop_ids
     return x[:, :P + L], valid[:, :P + L], mask, logp[:, :L]
 
 
+@torch.no_grad()
+def teacher_text(model, starts, new_tokens, seeds, greedy=0, stop_ids=(), vocab=None,
+                 batch=16):
+    """Text a model writes itself, for a student to learn from (LLM-QAT, Liu et al.
+    2023): each start (token ids: a random first token, or a chat prompt) continued
+    greedily for `greedy` tokens, then sampled at temperature 1 until `new_tokens` in
+    all or one of stop_ids. Row i samples from its own generator seeded seeds[i]
+    (rollout), so its text depends on its seed, not on its batch. Returns each start
+    with its continuation, as lists of ids."""
+    texts = []
+    for i in range(0, len(starts), batch):
+        rows, row_seeds = starts[i:i + batch], seeds[i:i + batch]
+        if greedy:  # the first tokens (no stop: a stop would end the row's text here)
+            x, valid, _, _ = rollout(model, rows, greedy, temperature=0, vocab=vocab)
+            rows = [row[keep].tolist() for row, keep in zip(x, valid)]
+        x, valid, _, _ = rollout(model, rows, new_tokens - greedy, stop_ids=stop_ids,
+                                 seeds=row_seeds, vocab=vocab)
+        texts += [row[keep].tolist() for row, keep in zip(x, valid)]
+    return texts
+
+
 def complete(model, enc, prompts, n, temperature=0.0, top_k=None):
     """The text that follows each prompt (up to n tokens,
     fewer where the context ends)."""

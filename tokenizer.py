@@ -273,7 +273,9 @@ def render_chat(enc, turns, template=None):
 
 
 def chat_prompt(enc, text):
-    """A user's message and the assistant's header: what a chat model answers from."""
+    """A user's message (or a conversation so far, (role, text) pairs) and the
+    assistant's header: what a chat model answers from."""
+    turns = [('user', text)] if isinstance(text, str) else text
     start, role_end, _, _ = chat_template(enc)
     header = enc.encode(start + 'assistant' + role_end, allowed_special='all')
-    return render_chat(enc, [('user', text)])[0] + header
+    return render_chat(enc, turns)[0] + header

@@ -16,16 +16,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the conversion step run by train.py per phase, the kernels one BitLinear launches, torchao
 BUDGETS = {'bitlinear.py': 365, 'kernels.py': 550, 'model.py': 550, 'moe.py': 150,
            'engine.py': 300, 'lora.py': 150, 'objectives.py': 550, 'optim.py': 300,
-           'tokenizer.py': 250, 'hub.py': 250, 'data.py': 500, 'checkpoint.py': 250,
+           'tokenizer.py': 250, 'hub.py': 250, 'data.py': 520, 'checkpoint.py': 250,
            'gguf_export.py': 300, 'eval.py': 300, 'rl.py': 300, 'train.py': 620,
            'configurator.py': 100, 'sample.py': 120, 'bench.py': 530, 'sweep.py': 150,
-           'arms.py': 125, 'remote.py': 250, 'teachers.py': 150}
+           'arms.py': 125, 'remote.py': 250, 'teachers.py': 150, 'teach.py': 120}
 # a module may import project modules of lower levels only (tokenizer may use hub, beside it);
 # among the pieces, engine opens checkpoints (checkpoint, lora); eval and rl run what engine samples
 LEVELS = {'kernels': 0, 'hub': 0, 'tokenizer': 0, 'bitlinear': 1, 'moe': 1, 'model': 2,
           'objectives': 3, 'optim': 3, 'data': 3, 'checkpoint': 3, 'lora': 3,
           'gguf_export': 3, 'configurator': 3, 'engine': 4, 'eval': 5, 'rl': 5,
-          'train': 6, 'sample': 6, 'bench': 6, 'sweep': 6, 'arms': 5,
+          'train': 6, 'sample': 6, 'teach': 6, 'bench': 6, 'sweep': 6, 'arms': 5,
           'remote': 4, 'teachers': 4}
 BESIDE = {('tokenizer', 'hub')}
 # files that work when copied alone need nothing of the project (bitlinear.py falls back

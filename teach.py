@@ -1,0 +1,117 @@
+"""
+Token shards a teacher writes, for a student to learn from:
+
+    python teach.py --ckpt=DIR --out=data/teacher         # its own text
+    python teach.py --ckpt=DIR --out=data/answers --prompts=config/chat.jsonl
+
+Its own text is made as LLM-QAT (Liu et al. 2023) makes it, which distils a quantized
+model on what the fp model writes rather than on real text: each document is
+<|endoftext|> and a random ordinary token, continued greedily for `greedy` tokens, then
+sampled at temperature 1 up to `length` tokens. With --prompts, each line of the file (a
+chat jsonl line as data.py reads them, up to its first answer; or a line of plain text, a
+user's message) is put in the model's chat template and answered by sampling until the
+turn ends: the text a chat student must learn. Both are batched with the KV cache
+(engine.teacher_text); every document comes from its own seed, so the shards depend on
+`seed` alone. The val split is held out: documents from seeds the train split does not
+use, and every tenth prompt. The shards are prepare's (data.write_documents): train.py
+reads them with --dataset=OUT and the teacher's tokenizer, in any objective, mixture or
+sweep.
+"""
+import itertools
+import json
+import math
+import sys
+import time
+
+import torch
+
+from configurator import configure
+from data import shard_paths, write_documents
+from engine import load, teacher_text
+from tokenizer import chat_prompt, chat_template, chat_turns, eos_id, get_tokenizer
+
+ckpt = 'out'           # the teacher: a run's folder, a checkpoint, an HF directory
+out = ''               # the folder the shards go to
+tokens = 61440         # its own text: this many train tokens at least (val: a tenth)
+length = 256           # ... tokens per document
+greedy = 4             # ... tokens after the random one chosen greedily
+prompts = ''           # a prompt file: its answers instead of its own text
+answers = 1            # ... answers per prompt, each from its own seed
+max_answer = 256       # ... tokens per answer at most
+seed = 1337
+batch_size = 16
+device = 'cuda' if torch.cuda.is_available() else 'cpu'
+settings = {k: v for k, v in globals().items() if isinstance(v, (int, float, str))}
+settings = {k: v for k, v in settings.items() if not k.startswith('_')}
+ranges = {'out': 'non-empty', 'tokens': 'positive', 'length': 'positive',
+          'greedy': 'non-negative', 'answers': 'positive', 'max_answer': 'positive',
+          'batch_size': 'positive'}
+config = configure(settings, sys.argv[1:], ranges)
+globals().update(config)
+if shard_paths(out, 'train') or shard_paths(out, 'val'):
+    sys.exit(f"error: {out} already holds token shards; delete them or use another --out")
+if greedy + 2 > length:
+    sys.exit(f"error: greedy={greedy} leaves nothing to sample in length={length}; "
+             "lower greedy or raise length")
+try:
+    ckpt, model, tokenizer = load(ckpt, device)
+    enc = get_tokenizer(tokenizer)
+    eos = eos_id(enc)
+except (OSError, ValueError, RuntimeError, KeyError) as e:
+    sys.exit(f"error: cannot load {ckpt!r}: {e}")
+vocab = min(enc.n_vocab, model.config.vocab_size)  # never an embedding's padding rows
+
+
+def own_text(n, first_seed):
+    """n documents of the model's own text, from seeds first_seed, first_seed + 1, ..."""
+    special = {enc.encode_single_token(t) for t in enc.special_tokens_set}
+    ordinary = [i for i in range(vocab) if i not in special]
+    seeds = list(range(first_seed, first_seed + n))
+    starts = []
+    for s in seeds:  # the random first token, from the document's own seed
+        generator = torch.Generator().manual_seed(s)
+        pick = torch.randint(len(ordinary), (1,), generator=generator).item()
+        starts.append([eos, ordinary[pick]])
+    return teacher_text(model, starts, length - 2, seeds, greedy, vocab=vocab,
+                        batch=batch_size)
+
+
+def asked(line):
+    """A prompt file's line as the conversation up to its first answer."""
+    turns = chat_turns(json.loads(line)) if line.startswith('{') else [('user', line)]
+    return list(itertools.takewhile(lambda turn: turn[0] != 'assistant', turns))
+
+
+def answered(conversations, first_seed):
+    """Each conversation and `answers` answers to it, each from its own seed."""
+    starts = [chat_prompt(enc, turns) for turns in conversations for _ in range(answers)]
+    seeds = list(range(first_seed, first_seed + len(starts)))
+    end = enc.encode_single_token(chat_template(enc)[2])  # the token that ends a turn
+    return teacher_text(model, starts, max_answer, seeds, stop_ids=(end, eos),
+                        vocab=vocab, batch=batch_size)
+
+
+t0 = time.time()
+if prompts:
+    try:  # every line read and checked before any answer is sampled
+        with open(prompts, encoding='utf-8') as f:
+            conversations = [asked(line.strip()) for line in f if line.strip()]
+        chat_template(enc)
+    except (OSError, ValueError, KeyError) as e:
+        sys.exit(f"error: prompts {prompts!r}: {e}")
+    if len(conversations) < 10:
+        sys.exit(f"error: {prompts} has {len(conversations)} prompts; every tenth is held "
+                 "out, so give at least 10")
+    held_out = conversations[9::10]  # none of them trained on
+    trained = [c for i, c in enumerate(conversations) if i % 10 != 9]
+    documents = {'train': answered(trained, seed), 'val': answered(held_out, seed + 10 ** 6)}
+else:
+    n = math.ceil(tokens / length)
+    documents = {'train': own_text(n, seed),
+                 'val': own_text(max(1, n // 10), seed + 10 ** 6)}
+try:
+    counts = write_documents(out, documents, tokenizer)
+except (OSError, ValueError) as e:
+    sys.exit(f"error: cannot write {out!r}: {e}")
+print(f"wrote {out}: {counts['train']:,} train and {counts['val']:,} val tokens, "
+      f"{sum(map(len, documents.values()))} documents, in {time.time() - t0:.0f}s")
