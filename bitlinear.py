@@ -97,6 +97,7 @@ class BitLinear(nn.Linear):
         self.register_buffer('lam', torch.ones((), device=device), persistent=False)
         self.ternary = True  # lam == 1: the int8 path
         self.lrc_u = self.lrc_v = None  # the optional low-rank correction, see add_lrc
+        self.rms_norm = None  # the optional norm of its input, see add_input_norms
         self.quantized = self.quantized_from = None  # see quantized_weight
 
     def quantized_weight(self):
@@ -139,6 +140,8 @@ class BitLinear(nn.Linear):
         return y.to(autocast_dtype(x.device.type) or x.dtype)
 
     def forward(self, x):
+        if self.rms_norm is not None:
+            x = self.rms_norm(x)
         w_q, gamma = self.quantized_weight()
         y = BitLinearFunction.apply(x, self.weight, self.bias, self.lam, self.ternary, w_q, gamma)
         if self.lrc_u is not None:  # the correction sees the unquantized input
@@ -267,6 +270,17 @@ def convert_to_bitnet(module, eps=1e-5, targets=TARGETS):
     return module
 
 
+def add_input_norms(module, eps=1e-5):
+    """An RMSNorm (a SubLN: ramped in with lambda, calibrated with the others) on the
+    input of every BitLinear, as BitDistill's code and transformers' `use_rms_norm` put
+    one there. It is the BitLinear's `rms_norm` child, named as transformers names it."""
+    for m in module.modules():
+        if isinstance(m, BitLinear) and m.rms_norm is None:
+            w = m.weight
+            m.rms_norm = SubLN(m.in_features, eps=eps, device=w.device, dtype=w.dtype)
+    return module
+
+
 @torch.no_grad()
 def calibrate_subln(model, batches):
     """Set each SubLN's gain so that at lam = 1 it changes its input as little as a gain
@@ -365,6 +379,7 @@ class PackedBitLinear(nn.Module):
         self.register_buffer('weight_scale', gamma.float().reshape(1))
         self.bias = bias
         self.lrc_u = self.lrc_v = None
+        self.rms_norm = None
 
     def w_q(self):  # W_q (out, in) as int8, unpacked from the layout in memory
         return unpack(self.weight, self.in_features) if has_kernels else \
@@ -379,6 +394,8 @@ class PackedBitLinear(nn.Module):
         return y.to(x.dtype)
 
     def forward(self, x):
+        if self.rms_norm is not None:
+            x = self.rms_norm(x)
         # through autograd only when x needs a gradient (adapters below it train), not
         # in decoding
         y = PackedFunction.apply(x, self) if x.requires_grad else self.matmul(x)
@@ -432,5 +449,6 @@ def freeze(module):
             if isinstance(child, BitLinear):
                 packed = PackedBitLinear(*weight_quant(child.weight), child.bias)
                 packed.lrc_u, packed.lrc_v = child.lrc_u, child.lrc_v
+                packed.rms_norm = child.rms_norm
                 setattr(parent, name, packed)
     return module

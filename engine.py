@@ -251,7 +251,7 @@ def fuse(model):
     for module, names in groups:
         parts = [getattr(module, n) for n in names]
         plain = [type(p) is PackedBitLinear and p.bias is None and p.lrc_u is None
-                 for p in parts]
+                 and p.rms_norm is None for p in parts]
         if not all(plain):
             continue
         w = torch.cat([p.weight for p in parts])

@@ -158,6 +158,7 @@ def unsupported(cfg):
              'RoPE scaling': b and cfg.rope_scaling,
              'q/k/v biases without an o_proj bias': cfg.qkv_bias and ARCH[cfg.family] == 'llama',
              'low-rank corrections': cfg.lrc_rank,
+             'an RMSNorm before every linear (linear_norm)': cfg.linear_norm,
              'a mixture of experts': cfg.n_experts,
              'ReLU^2 (it uses SiLU)': cfg.act != 'silu',
              'attention biases': b and cfg.attention_bias,

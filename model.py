@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from bitlinear import SubLN, add_lrc, calibrate_subln, convert_to_bitnet, freeze
+from bitlinear import (SubLN, add_input_norms, add_lrc, calibrate_subln, convert_to_bitnet,
+                       freeze)
 from moe import MOE_CLASSES, MOE_TYPES, MoE, moe_from_hf, moe_to_hf, upcycle
 
 
@@ -68,6 +69,8 @@ class ModelConfig:
     subln: bool = False          # the two extra RMSNorms of BitNet
                                  # (always on when bitnet)
     bitnet: bool = False         # attention/MLP linears are ternary BitLinear
+    linear_norm: bool = False    # ... each with an RMSNorm on its input (BitDistill's;
+                                 # transformers' use_rms_norm)
     lrc_rank: int = 0            # rank of the low-rank correction on each BitLinear
                                  # (0: none)
     packed: bool = False         # BitLinears frozen to 2-bit PackedBitLinears
@@ -274,9 +277,12 @@ class Transformer(nn.Module):
         pack = cfg.packed and not cfg.lrc_rank
 
         def block():
-            if pack:
-                return freeze(convert_to_bitnet(Block(cfg), cfg.norm_eps))
-            return Block(cfg)
+            if not pack:
+                return Block(cfg)
+            ternary = convert_to_bitnet(Block(cfg), cfg.norm_eps)
+            if cfg.linear_norm:
+                add_input_norms(ternary, cfg.norm_eps)
+            return freeze(ternary)
         self.layers = nn.ModuleList(block() for _ in range(cfg.n_layer))
         self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
@@ -304,11 +310,14 @@ class Transformer(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def to_bitnet(self, calib=()):
-        """Swap every attention/MLP linear for a ternary BitLinear and insert SubLN:
-        gain 1, or, given a few batches of token ids `calib` (a pretrained model), gains
-        calibrated on them."""
+    def to_bitnet(self, calib=(), linear_norm=False):
+        """Swap every attention/MLP linear for a ternary BitLinear and insert SubLN (and,
+        with linear_norm, an RMSNorm before every BitLinear): gain 1, or, given a few
+        batches of token ids `calib` (a pretrained model), gains calibrated on them."""
         convert_to_bitnet(self.layers, eps=self.config.norm_eps)
+        self.config.linear_norm = self.config.linear_norm or linear_norm
+        if self.config.linear_norm:
+            add_input_norms(self.layers, self.config.norm_eps)
         self.config.bitnet = self.config.subln = True
         if calib:
             calibrate_subln(self, calib)
@@ -539,11 +548,14 @@ def config_from_hf(hf):
     mode = quant.get('quantization_mode', 'online')
     linear = quant.get('linear_class', 'autobitlinear')
     if kind == 'bitnet' and (mode not in ('online', 'offline')
-                             or linear not in ('autobitlinear', 'bitlinear')
-                             or quant.get('use_rms_norm')):
+                             or linear not in ('autobitlinear', 'bitlinear')):
         raise ValueError(f"BitNet quantization_config {quant} is not supported; use "
                          "linear_class 'autobitlinear' or 'bitlinear', "
-                         "quantization_mode 'online' or 'offline', no use_rms_norm")
+                         "quantization_mode 'online' or 'offline'")
+    model_eps = hf.get('rms_norm_eps', ModelConfig.norm_eps)
+    if quant.get('use_rms_norm') and quant.get('rms_norm_eps', 1e-6) != model_eps:
+        raise ValueError("use_rms_norm with rms_norm_eps apart from the model's is not "
+                         "supported; set the two equal")
     kw = {ours: hf[theirs] for ours, theirs in HF_KEYS.items()
           if hf.get(theirs) is not None} | moe
     kw['rope_theta'] = float(rope.get('rope_theta', hf.get('rope_theta', 10000.0)))
@@ -555,6 +567,7 @@ def config_from_hf(hf):
         kw['sliding_window'] = hf.get('sliding_window') or 0
     kw.setdefault('tie_embeddings', False)  # the Llama default
     kw['bitnet'] = kw['subln'] = kind == 'bitnet'
+    kw['linear_norm'] = kind == 'bitnet' and bool(quant.get('use_rms_norm'))
     # the old 'bitlinear' class is always packed
     kw['packed'] = kind == 'bitnet' and (mode == 'offline' or linear == 'bitlinear')
     return ModelConfig(**kw)
@@ -579,6 +592,8 @@ def config_to_hf(cfg, dtype):
         mode = 'offline' if cfg.packed else 'online'
         quant = {'quant_method': 'bitnet', 'linear_class': 'autobitlinear',
                  'quantization_mode': mode}
+        if cfg.linear_norm:
+            quant.update(use_rms_norm=True, rms_norm_eps=cfg.norm_eps)
         hf.update(model_type='bitnet', architectures=['BitNetForCausalLM'],
                   quantization_config=quant, family=cfg.family)
         # transformers has neither low-rank corrections nor ternary experts, nor (in its
@@ -591,7 +606,7 @@ def config_to_hf(cfg, dtype):
             hf.update(model_type='bitnet_lrc', architectures=['BitNetLRCForCausalLM'])
         if cfg.n_experts:
             hf.update(model_type='bitnet_moe', architectures=['BitNetMoeForCausalLM'])
-    elif cfg.subln:
-        raise ValueError("an fp model with SubLN has no transformers class; "
-                         "convert it to BitNet")
+    elif cfg.subln or cfg.linear_norm:
+        raise ValueError("an fp model with SubLN or linear_norm has no transformers "
+                         "class; convert it to BitNet")
     return hf

@@ -98,6 +98,7 @@ tie_embeddings = True
 bitnet = True          # ternary attention/MLP linears with SubLN; False: the fp twin
 lambda_warmup = 0.0    # fraction of max_steps over which quantization ramps from 0 to 1
 subln_calib = 4        # converting a pretrained model: batches that calibrate SubLN
+linear_norm = False    # ... and an RMSNorm before every BitLinear too (BitDistill's)
 lrc_rank = 0           # low-rank correction adapters on every BitLinear (0: none)
 # mixture of experts (moe.py): n_experts > 0 makes every MLP one; a dense init_from is
 # upcycled (its MLP copied into each expert). Router losses: objectives['router']
@@ -292,7 +293,7 @@ step, best_val, best_step, bad_evals = 0, float('inf'), 0, 0
 arch = ('n_layer', 'n_embd', 'n_head', 'n_kv_head', 'intermediate_size', 'act', 'bitnet')
 # what a resumed run cannot change (a setting newer than its checkpoint: as now)
 fixed = arch + ('moe', 'lrc_rank', 'lora_rank', 'lora_targets', 'tokenizer', 'optimizer',
-               'zero1')
+               'zero1', 'linear_norm')
 if init_from != 'scratch':
     model = load(base)
     if state:
@@ -327,7 +328,7 @@ if stop_after and not step < stop_after < max_steps:
     sys.exit(f"error: stop_after={stop_after} must lie after step {step}, below max_steps")
 model.to(device)
 if bitnet and not model.config.bitnet and not lora_rank:  # SubLN calibrated on batches
-    model.to_bitnet(batches.calibration(subln_calib))
+    model.to_bitnet(batches.calibration(subln_calib), linear_norm)
 if lrc_rank and not model.config.lrc_rank:
     model.add_lrc(lrc_rank)  # the SVD of the (converted) weights' quantization residual
 if lora_rank:  # QLoRA: the base frozen (ternary: packed 2-bit), fp adapters

@@ -140,3 +140,39 @@ def test_lrc_checkpoint_loads_here_and_is_refused_by_transformers(tmp_path):
         assert loaded.config.lrc_rank == 4 and loaded.config.packed == (kind == 'packed')
         with torch.no_grad():
             assert torch.equal(loaded(idx), model(idx))
+
+
+def test_an_rms_norm_before_every_linear_keeps_lambda_0_and_opens_in_transformers_as_use_rms_norm(tmp_path):
+    """BitDistill's norm on the input of every BitLinear: calibrated with SubLN, it leaves the converted model
+    exactly itself at lambda 0; at lambda 1 transformers' BitNet with use_rms_norm computes what ours does,
+    online and packed; llama.cpp's bitnet has no such norm, so its export is refused in one line."""
+    pytest.importorskip('accelerate')
+    import gguf_export
+    from bitlinear import SubLN, set_lambda
+    hf_llama(tie=True, hidden=64, heads=8, kv_heads=2).save_pretrained(tmp_path / 'fp')
+    fp = Transformer.from_pretrained(str(tmp_path / 'fp')).eval()
+    idx = tokens(101)
+    student = Transformer.from_pretrained(str(tmp_path / 'fp')).to_bitnet([tokens(101, seed=2)], linear_norm=True)
+    student.eval()
+    norms = [m.rms_norm for m in student.modules() if getattr(m, 'rms_norm', None) is not None]
+    assert len(norms) == 2 * 7 and all(isinstance(n, SubLN) and (n.weight != 1).any() for n in norms)
+    set_lambda(student, 0.0)
+    with torch.no_grad():
+        assert (student(idx) - fp(idx)).abs().max().item() <= 1e-5
+    set_lambda(student, 1.0)
+    student.save_pretrained(tmp_path / 'online')
+    quant = json.load(open(tmp_path / 'online' / 'config.json'))['quantization_config']
+    assert quant['use_rms_norm'] and quant['rms_norm_eps'] == 1e-5
+    name, ref = bitnet_logits_hf(tmp_path / 'online', idx)
+    with torch.no_grad():
+        ours = student(idx)
+        assert name == 'BitNetForCausalLM' and (ours - ref).abs().max().item() <= 1e-4
+        assert torch.equal(Transformer.from_pretrained(str(tmp_path / 'online'))(idx), ours)
+        student.freeze().save_pretrained(tmp_path / 'packed')
+        packed = Transformer.from_pretrained(str(tmp_path / 'packed')).eval()
+        assert packed.config.packed and packed.config.linear_norm
+        assert (packed(idx) - ours).abs().max().item() <= 1e-4
+    name, ref = bitnet_logits_hf(tmp_path / 'packed', idx)
+    assert (ref - ours).abs().max().item() <= 1e-4
+    with pytest.raises(ValueError, match=r"has no an RMSNorm before every linear \(linear_norm\)"):
+        gguf_export.save_gguf(str(tmp_path / 'm.gguf'), student.state_dict(), student.config, {})
