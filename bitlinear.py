@@ -33,11 +33,14 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 
-def weight_quant(w):
-    """absmean: W_q = round(W / gamma) clipped to {-1, 0, 1}; gamma = mean|W|
-    (fp32, clamped)."""
-    # a clamp on the mean, not an added epsilon
-    gamma = w.float().abs().mean().clamp(min=1e-5)
+def weight_quant(w, per_row=False):
+    """absmean: W_q = round(W / gamma) clipped to {-1, 0, 1}; gamma = mean|W| (fp32,
+    clamped), one per matrix (shape ()), or one per output row (N, 1): finer scales, as
+    ParetoQ (Liu et al. 2025) learns per channel, at no cost to the kernels, which take
+    one scale per row."""
+    magnitudes = w.float().abs()
+    mean = magnitudes.mean(-1, keepdim=True) if per_row else magnitudes.mean()
+    gamma = mean.clamp(min=1e-5)  # a clamp on the mean, not an added epsilon
     w_q = (w.float() / gamma).round_().clamp_(-1, 1)  # zero exactly when |w| < gamma / 2
     return w_q, gamma
 
@@ -98,6 +101,7 @@ class BitLinear(nn.Linear):
         self.ternary = True  # lam == 1: the int8 path
         self.lrc_u = self.lrc_v = None  # the optional low-rank correction, see add_lrc
         self.rms_norm = None  # the optional norm of its input, see add_input_norms
+        self.row_scales = False  # one gamma per output row, not one per matrix
         self.quantized = self.quantized_from = None  # see quantized_weight
 
     def quantized_weight(self):
@@ -110,12 +114,12 @@ class BitLinear(nn.Linear):
         steps. Compiled, the quantizer is traced into the graph instead."""
         w = self.weight
         if torch.compiler.is_compiling():
-            w_q, gamma = weight_quant(w.detach())
+            w_q, gamma = weight_quant(w.detach(), self.row_scales)
             return w_q.to(torch.int8), gamma
         key = (w.data_ptr(), w._version, w.device, w.dtype, optimizer_steps)
         known = self.quantized_from is not None and self.quantized_from[0]() is w
         if not known or self.quantized_from[1] != key:
-            w_q, gamma = weight_quant(w.detach())
+            w_q, gamma = weight_quant(w.detach(), self.row_scales)
             self.quantized = (w_q.to(torch.int8), gamma)
             self.quantized_from = (weakref.ref(w), key)
         return self.quantized
@@ -128,14 +132,14 @@ class BitLinear(nn.Linear):
         next quantizer turns into other int8 codes now and then: 200 steps later such
         loss curves were 0.1-0.2 apart (bench.py curve). So the fast path equals the
         definition."""
-        w_q, gamma = weight_quant(self.weight.detach())
+        w_q, gamma = weight_quant(self.weight.detach(), self.row_scales)
         x_q, s = activation_quant(x.detach())
         # lerp is exact at lam = 1
         w = ste(self.weight, torch.lerp(self.weight.float(), w_q * gamma, self.lam))
         y = F.linear(ste(x, torch.lerp(x.float(), x_q / s, self.lam)), w, self.bias)
         if self.ternary:
             with torch.autocast(x.device.type, enabled=False):  # exact, not rounded to bf16
-                exact = F.linear(x_q, w_q) * (gamma / s)
+                exact = F.linear(x_q, w_q) * (gamma.reshape(-1) / s)
             y = ste(y, exact if self.bias is None else exact + self.bias)
         return y.to(autocast_dtype(x.device.type) or x.dtype)
 
@@ -194,7 +198,8 @@ class BitLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, lam, ternary, w_q, gamma):
-        """w_q (N, K) int8 and gamma (): the weight quantized (BitLinear.quantized_weight)."""
+        """w_q (N, K) int8 and gamma () or (N, 1): the weight quantized
+    (BitLinear.quantized_weight)."""
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
         x_q, s = quantize_activations(x2)  # (M, K), (M, 1)
         ctx.ternary, ctx.has_bias, ctx.w_dtype = ternary, bias is not None, weight.dtype
@@ -205,7 +210,8 @@ class BitLinearFunction(torch.autograd.Function):
             ctx.save_for_backward(x_int8, s, w_q, gamma)
             # without int8 units the fp32 codes go to the fp32 matmul as they are
             y = int8_matmul(x_int8 if has_int8_units(x) else x_q, w_q)  # (M, N)
-            y = y.mul_(gamma / s)  # in place: y is the matmul's own fresh output
+            # in place: y is the matmul's own fresh output; gamma () or (N, 1) as a row
+            y = y.mul_(gamma.reshape(-1) / s)
             y = y if bias is None else y + bias
         else:
             x_f = torch.lerp(x2.float(), x_q / s, lam)
@@ -250,10 +256,10 @@ class SubLN(nn.RMSNorm):
         return torch.lerp(x, super().forward(x), self.lam.to(x.dtype))
 
 
-def convert_to_bitnet(module, eps=1e-5, targets=TARGETS):
+def convert_to_bitnet(module, eps=1e-5, targets=TARGETS, row_scales=False):
     """In place: swap the nn.Linear children named in `targets` for BitLinears with the
-    same weights, and turn Identity `attn_sub_norm` / `ffn_sub_norm` slots into
-    SubLNs."""
+    same weights (one gamma per row with row_scales), and turn Identity `attn_sub_norm` /
+    `ffn_sub_norm` slots into SubLNs."""
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if name in targets and type(child) is nn.Linear:
@@ -261,6 +267,7 @@ def convert_to_bitnet(module, eps=1e-5, targets=TARGETS):
                 bit = BitLinear(child.in_features, child.out_features,
                                 child.bias is not None, w.device, w.dtype)
                 bit.weight, bit.bias = child.weight, child.bias
+                bit.row_scales = row_scales
                 setattr(parent, name, bit)
         for norm, proj in (('attn_sub_norm', 'o_proj'), ('ffn_sub_norm', 'down_proj')):
             if isinstance(getattr(parent, norm, None), nn.Identity):
@@ -318,7 +325,7 @@ def add_lrc(module, rank):
     gradient is proportional to the other.)"""
     for m in module.modules():
         if isinstance(m, BitLinear):
-            w_q, gamma = weight_quant(m.weight)
+            w_q, gamma = weight_quant(m.weight, m.row_scales)
             residual = m.weight.detach().float() - gamma * w_q
             U, S, Vh = torch.linalg.svd(residual, full_matrices=False)
             # split the singular values evenly between the factors
@@ -376,7 +383,7 @@ class PackedBitLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = w_q.shape
         self.register_buffer('weight', pack(w_q) if has_kernels else pack_hf(w_q))
-        self.register_buffer('weight_scale', gamma.float().reshape(1))
+        self.register_buffer('weight_scale', gamma.float().reshape(-1))  # (1,) or (N,)
         self.bias = bias
         self.lrc_u = self.lrc_v = None
         self.rms_norm = None
@@ -436,7 +443,8 @@ class PackedFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         m, g = ctx.layer, grad_y.reshape(-1, grad_y.shape[-1])  # (M, N)
-        grad_x = g @ (m.w_q().to(g.dtype) * m.weight_scale.to(g.dtype))  # (M, K)
+        gamma = m.weight_scale.to(g.dtype).view(-1, 1)  # (1, 1) or (N, 1)
+        grad_x = g @ (m.w_q().to(g.dtype) * gamma)  # (M, K)
         return grad_x.view(*grad_y.shape[:-1], -1), None
 
 
@@ -447,7 +455,8 @@ def freeze(module):
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, BitLinear):
-                packed = PackedBitLinear(*weight_quant(child.weight), child.bias)
+                w_q, gamma = weight_quant(child.weight, child.row_scales)
+                packed = PackedBitLinear(w_q, gamma, child.bias)
                 packed.lrc_u, packed.lrc_v = child.lrc_u, child.lrc_v
                 packed.rms_norm = child.rms_norm
                 setattr(parent, name, packed)

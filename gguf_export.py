@@ -38,7 +38,7 @@ from tokenizer import (DIGITS_PATTERN, GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTE
 def with_d(blocks, gamma, d_first=False):
     """(N, nb, bytes) uint8 blocks -> (N, nb * (bytes + 2)):
     fp16 gamma after (or before) each."""
-    d = gamma.half().reshape(1, 1, 1).expand(*blocks.shape[:2], 1)
+    d = gamma.half().reshape(-1, 1, 1).expand(*blocks.shape[:2], 1)  # one, or one per row
     d = d.contiguous().view(torch.uint8)
     return torch.cat([d, blocks] if d_first else [blocks, d], -1).flatten(1)
 
@@ -208,7 +208,8 @@ def save_gguf(path, state_dict, cfg, vocab, ternary='tq2_0', dtype=torch.float32
             if v.dtype == torch.uint8:  # packed: the 2-bit codes and their stored gamma
                 w_q, gamma = unpack_hf(v, rows[module]), state_dict[k + '_scale']
             else:
-                w_q, gamma = weight_quant(v)
+                w_q, gamma = weight_quant(v, cfg.weight_scale == 'row')
+            gamma = gamma.reshape(-1, 1)  # (1, 1), or (N, 1) per row
             # the asked type if the row length fits its blocks,
             # else the next one that does
             fits = [TERNARY[t] for t in (ternary, 'q8_0', 'f16')]

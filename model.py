@@ -71,6 +71,7 @@ class ModelConfig:
     bitnet: bool = False         # attention/MLP linears are ternary BitLinear
     linear_norm: bool = False    # ... each with an RMSNorm on its input (BitDistill's;
                                  # transformers' use_rms_norm)
+    weight_scale: str = 'matrix'  # ... gamma per 'matrix' or per output 'row'
     lrc_rank: int = 0            # rank of the low-rank correction on each BitLinear
                                  # (0: none)
     packed: bool = False         # BitLinears frozen to 2-bit PackedBitLinears
@@ -103,6 +104,8 @@ class ModelConfig:
             if getattr(self, switch) != value:
                 raise ValueError(f"family={self.family!r} has {switch}={value}; "
                                  f"set it so or pick another family")
+        if self.weight_scale not in ('matrix', 'row'):
+            raise ValueError(f"weight_scale={self.weight_scale!r}; use 'matrix' or 'row'")
         if self.sliding_window and self.family != 'mistral':
             raise ValueError("sliding_window is Mistral's; set family='mistral' or "
                              "sliding_window=0")
@@ -279,7 +282,8 @@ class Transformer(nn.Module):
         def block():
             if not pack:
                 return Block(cfg)
-            ternary = convert_to_bitnet(Block(cfg), cfg.norm_eps)
+            rows = cfg.weight_scale == 'row'
+            ternary = convert_to_bitnet(Block(cfg), cfg.norm_eps, row_scales=rows)
             if cfg.linear_norm:
                 add_input_norms(ternary, cfg.norm_eps)
             return freeze(ternary)
@@ -310,11 +314,15 @@ class Transformer(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def to_bitnet(self, calib=(), linear_norm=False):
+    def to_bitnet(self, calib=(), linear_norm=False, weight_scale=None):
         """Swap every attention/MLP linear for a ternary BitLinear and insert SubLN (and,
         with linear_norm, an RMSNorm before every BitLinear): gain 1, or, given a few
-        batches of token ids `calib` (a pretrained model), gains calibrated on them."""
-        convert_to_bitnet(self.layers, eps=self.config.norm_eps)
+        batches of token ids `calib` (a pretrained model), gains calibrated on them.
+        weight_scale: 'matrix' or 'row' (None: the config's)."""
+        cfg = self.config
+        cfg.weight_scale = weight_scale or cfg.weight_scale
+        cfg.__post_init__()  # checks weight_scale
+        convert_to_bitnet(self.layers, cfg.norm_eps, row_scales=cfg.weight_scale == 'row')
         self.config.linear_norm = self.config.linear_norm or linear_norm
         if self.config.linear_norm:
             add_input_norms(self.layers, self.config.norm_eps)
@@ -568,6 +576,7 @@ def config_from_hf(hf):
     kw.setdefault('tie_embeddings', False)  # the Llama default
     kw['bitnet'] = kw['subln'] = kind == 'bitnet'
     kw['linear_norm'] = kind == 'bitnet' and bool(quant.get('use_rms_norm'))
+    kw['weight_scale'] = hf.get('weight_scale', 'matrix')  # ours: no transformers key
     # the old 'bitlinear' class is always packed
     kw['packed'] = kind == 'bitnet' and (mode == 'offline' or linear == 'bitlinear')
     return ModelConfig(**kw)
@@ -597,9 +606,12 @@ def config_to_hf(cfg, dtype):
         hf.update(model_type='bitnet', architectures=['BitNetForCausalLM'],
                   quantization_config=quant, family=cfg.family)
         # transformers has neither low-rank corrections nor ternary experts, nor (in its
-        # BitNet) any family's layers but Llama's, and would drop them silently: these
-        # names make it refuse
-        if cfg.family != 'llama' or cfg.head_dim * cfg.n_head != cfg.n_embd:
+        # BitNet) any family's layers but Llama's nor scales per row, and would drop them
+        # silently: these names make it refuse
+        if cfg.weight_scale != 'matrix':
+            hf['weight_scale'] = cfg.weight_scale
+        own = cfg.family != 'llama' or cfg.weight_scale != 'matrix'
+        if own or cfg.head_dim * cfg.n_head != cfg.n_embd:
             hf.update(model_type=f'bitnet_{cfg.family}',
                       architectures=[f'BitNet{cfg.family.title()}ForCausalLM'])
         if cfg.lrc_rank:

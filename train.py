@@ -98,7 +98,8 @@ tie_embeddings = True
 bitnet = True          # ternary attention/MLP linears with SubLN; False: the fp twin
 lambda_warmup = 0.0    # fraction of max_steps over which quantization ramps from 0 to 1
 subln_calib = 4        # converting a pretrained model: batches that calibrate SubLN
-linear_norm = False    # ... and an RMSNorm before every BitLinear too (BitDistill's)
+linear_norm = False    # an RMSNorm before every BitLinear too (BitDistill's)
+weight_scale = 'matrix'  # ternary weights' gamma: one per 'matrix' or per output 'row'
 lrc_rank = 0           # low-rank correction adapters on every BitLinear (0: none)
 # mixture of experts (moe.py): n_experts > 0 makes every MLP one; a dense init_from is
 # upcycled (its MLP copied into each expert). Router losses: objectives['router']
@@ -161,6 +162,7 @@ ranges = {'eval_interval': 'positive', 'eval_iters': 'positive', 'log_interval':
           'block_size': 'positive', 'gradient_accumulation_steps': 'positive',
           'n_layer': 'positive', 'n_embd': 'positive', 'n_head': 'positive',
           'n_kv_head': 'positive', 'intermediate_size': 'positive', 'act': ('silu', 'relu2'),
+          'weight_scale': ('matrix', 'row'),
           'rope_theta': 'positive', 'lambda_warmup': 'fraction', 'subln_calib': 'positive',
           'lrc_rank': 'non-negative', 'lora_rank': 'non-negative', 'lora_alpha': 'positive',
           'blend': ('switch', 'linear', 'cosine'), 'teacher_top_k': 'positive',
@@ -293,7 +295,7 @@ step, best_val, best_step, bad_evals = 0, float('inf'), 0, 0
 arch = ('n_layer', 'n_embd', 'n_head', 'n_kv_head', 'intermediate_size', 'act', 'bitnet')
 # what a resumed run cannot change (a setting newer than its checkpoint: as now)
 fixed = arch + ('moe', 'lrc_rank', 'lora_rank', 'lora_targets', 'tokenizer', 'optimizer',
-               'zero1', 'linear_norm')
+               'zero1', 'linear_norm', 'weight_scale')
 if init_from != 'scratch':
     model = load(base)
     if state:
@@ -318,8 +320,8 @@ try:  # model settings it cannot build are a one-line error
         model = Transformer(ModelConfig(
             vocab_size=64 * math.ceil(enc.n_vocab / 64), max_seq_len=block_size,
             rope_theta=rope_theta, tie_embeddings=tie_embeddings,
-            bos_token_id=eos_id(enc), eos_token_id=eos_id(enc),
-            **{k: config[k] for k in arch}, **moe))
+            bos_token_id=eos_id(enc), eos_token_id=eos_id(enc), linear_norm=linear_norm,
+            weight_scale=weight_scale, **{k: config[k] for k in arch}, **moe))
     elif moe.get('n_experts') and not model.config.n_experts:  # upcycling, before to_bitnet
         model.upcycle(**moe)
 except (TypeError, ValueError) as e:
@@ -328,7 +330,7 @@ if stop_after and not step < stop_after < max_steps:
     sys.exit(f"error: stop_after={stop_after} must lie after step {step}, below max_steps")
 model.to(device)
 if bitnet and not model.config.bitnet and not lora_rank:  # SubLN calibrated on batches
-    model.to_bitnet(batches.calibration(subln_calib), linear_norm)
+    model.to_bitnet(batches.calibration(subln_calib), linear_norm, weight_scale)
 if lrc_rank and not model.config.lrc_rank:
     model.add_lrc(lrc_rank)  # the SVD of the (converted) weights' quantization residual
 if lora_rank:  # QLoRA: the base frozen (ternary: packed 2-bit), fp adapters

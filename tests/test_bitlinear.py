@@ -385,9 +385,9 @@ def test_the_weight_is_quantized_once_per_value(monkeypatch):
     import bitlinear
     calls = []
 
-    def counted(w):
+    def counted(w, per_row=False):
         calls.append(w.shape)
-        return weight_quant(w)
+        return weight_quant(w, per_row)
     monkeypatch.setattr(bitlinear, 'weight_quant', counted)
     torch.manual_seed(0)
     layer = BitLinear(64, 32)
@@ -424,3 +424,52 @@ def test_the_fused_activation_quantizer_gives_the_same_codes():
         x = torch.randn(shape) * torch.rand(shape[:-1] + (1,)) * 10
         for got, want in zip(fused_activation_quant()(x), activation_quant(x)):
             assert torch.equal(got, want), shape
+
+
+# ------------------------------------------------------------------ one gamma per output row
+
+def test_row_scales_are_each_rows_absmean_and_reduce_to_the_matrix_scale_when_equal():
+    torch.manual_seed(0)
+    w = torch.randn(6, 32)
+    w_q, gamma = weight_quant(w, per_row=True)
+    for r in range(6):  # each row on its own, by the per-matrix quantizer
+        assert torch.equal(weight_quant(w[r:r + 1])[0], w_q[r:r + 1]) and gamma[r, 0] == weight_quant(w[r:r + 1])[1]
+    # rows of the same magnitudes in other orders and signs: every row's mean is the matrix's, exactly
+    base = torch.tensor([2.0 ** -k for k in range(32)])
+    w = torch.stack([base[torch.randperm(32)] * torch.sign(torch.randn(32)) for _ in range(6)])
+    layers = {}
+    for rows in (False, True):
+        layers[rows] = convert_to_bitnet(nn.Sequential(nn.Linear(32, 6, bias=False)), row_scales=rows)[0]
+        layers[rows].weight.data.copy_(w)
+    x = torch.randn(5, 32, requires_grad=True)
+    assert torch.equal(layers[True](x), layers[False](x))
+
+
+@pytest.mark.parametrize('lam', [0.5, 1.0])
+def test_row_scaled_function_is_bit_identical_to_its_reference_and_packs_bit_exactly(lam):
+    import kernels
+    from bitlinear import PackedBitLinear, freeze
+    torch.manual_seed(1)
+    fast, ref = copies(7, 64, 40, True)
+    sizes = torch.rand(40, 1) * 4  # rows of very different sizes
+    for layer in (fast, ref):
+        layer.row_scales = True
+        layer.weight.data *= sizes
+    set_lambda(fast, lam)
+    set_lambda(ref, lam)
+    x = torch.randn(3, 24, 64) * 3
+    x1, x2 = (x.clone().requires_grad_() for _ in range(2))
+    y1, y2 = fast(x1), ref.reference(x2)
+    assert torch.equal(y1, y2)
+    g = torch.randn_like(y1)
+    (y1 * g).sum().backward()
+    (y2 * g).sum().backward()
+    assert torch.equal(x1.grad, x2.grad) and torch.equal(fast.weight.grad, ref.weight.grad)
+    if lam < 1:
+        return
+    packed = freeze(nn.Sequential(fast))[0]
+    assert isinstance(packed, PackedBitLinear) and packed.weight_scale.shape == (40,)
+    with torch.no_grad():
+        for impl in [i for i in ('torch', 'cpp') if i in kernels.IMPLS]:  # the integer kernels, bit-exact
+            y = kernels.ternary_linear(x, packed.weight, packed.weight_scale, impl) + packed.bias
+            assert torch.equal(y, y1), impl

@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # declared ranges of its settings (19 lines) and the start-of-run checks of out_dir, device and
 # eval_tasks; arms.py: a sweep file's required settings, each checked at its top; bench.py:
 # the conversion step run by train.py per phase, the kernels one BitLinear launches, torchao
-BUDGETS = {'bitlinear.py': 380, 'kernels.py': 550, 'model.py': 560, 'moe.py': 150,
+BUDGETS = {'bitlinear.py': 390, 'kernels.py': 550, 'model.py': 570, 'moe.py': 150,
            'engine.py': 300, 'lora.py': 150, 'objectives.py': 550, 'optim.py': 300,
            'tokenizer.py': 250, 'hub.py': 250, 'data.py': 520, 'checkpoint.py': 250,
            'gguf_export.py': 300, 'eval.py': 300, 'rl.py': 300, 'train.py': 625,

@@ -176,3 +176,22 @@ def test_an_rms_norm_before_every_linear_keeps_lambda_0_and_opens_in_transformer
     assert (ref - ours).abs().max().item() <= 1e-4
     with pytest.raises(ValueError, match=r"has no an RMSNorm before every linear \(linear_norm\)"):
         gguf_export.save_gguf(str(tmp_path / 'm.gguf'), student.state_dict(), student.config, {})
+
+
+def test_a_model_with_a_scale_per_row_saves_under_our_own_type_and_packs(tmp_path):
+    torch.manual_seed(0)
+    ours = Transformer(ModelConfig(vocab_size=90, n_layer=2, n_embd=64, n_head=4, n_kv_head=2, intermediate_size=96,
+                                   bitnet=True, weight_scale='row')).eval()
+    idx = tokens(90)
+    ours.save_pretrained(tmp_path / 'online')
+    cfg = json.load(open(tmp_path / 'online' / 'config.json'))
+    assert cfg['model_type'] == 'bitnet_llama' and cfg['weight_scale'] == 'row'
+    with pytest.raises((ValueError, KeyError)):  # transformers' BitNet has one scale per matrix: refused, not run
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'online')
+    with torch.no_grad():
+        want = ours(idx)
+        assert torch.equal(Transformer.from_pretrained(str(tmp_path / 'online'))(idx), want)
+        ours.freeze().save_pretrained(tmp_path / 'packed')
+        packed = Transformer.from_pretrained(str(tmp_path / 'packed')).eval()
+        assert packed.layers[0].mlp.up_proj.weight_scale.shape == (96,)
+        assert (packed(idx) - want).abs().max().item() <= 1e-5
