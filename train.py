@@ -115,6 +115,7 @@ curriculum = [(1.0, {'ce': 1.0})]
 blend = 'switch'       # or 'linear', 'cosine'
 phase_reset = True     # a step that trains other objectives than the last starts the
                        # optimizer's moments afresh (the old phase's would size its steps)
+phase_warmup = 0       # ... and the LR warms up again over this many steps (0: not)
 teacher = ''           # '' (none), a checkpoint or HF dir, or a vLLM URL http://...
 teacher_model = ''     # the model name a vLLM teacher serves
 teacher_top_k = 20     # logprobs per position from a vLLM teacher
@@ -162,7 +163,7 @@ ranges = {'eval_interval': 'positive', 'eval_iters': 'positive', 'log_interval':
           'block_size': 'positive', 'gradient_accumulation_steps': 'positive',
           'n_layer': 'positive', 'n_embd': 'positive', 'n_head': 'positive',
           'n_kv_head': 'positive', 'intermediate_size': 'positive', 'act': ('silu', 'relu2'),
-          'weight_scale': ('matrix', 'row'),
+          'weight_scale': ('matrix', 'row'), 'phase_warmup': 'non-negative',
           'rope_theta': 'positive', 'lambda_warmup': 'fraction', 'subln_calib': 'positive',
           'lrc_rank': 'non-negative', 'lora_rank': 'non-negative', 'lora_alpha': 'positive',
           'blend': ('switch', 'linear', 'cosine'), 'teacher_top_k': 'positive',
@@ -563,17 +564,24 @@ t_start = t_last = time.time()
 tokens_seen, nan_run = step * tokens_per_step, 0
 data_state = batches.loader.state_dict() if batches.loader else None
 b = batches.get(step, 0)
+def new_phase(s):
+    """Whether step s trains other objectives than step s - 1: known from the step alone,
+    so a resumed chunk does at a switch what a straight run does."""
+    return s > 0 and manager.active(s / max_steps) != manager.active((s - 1) / max_steps)
+
+
 while step < (stop_after or max_steps):
     floor = min_lr / learning_rate
     factor = lr_factor(step, max_steps, warmup_steps, schedule, floor, decay_frac)
+    since = next((k for k in range(phase_warmup) if new_phase(step - k)), None)
+    if since is not None:  # the steps since the curriculum's last switch, warming up
+        factor *= (since + 1) / phase_warmup
     lrs = set_lr(optimizers, factor)
     if schedule == 'two_stage' and step >= max_steps // 2:  # BitNet b1.58's second stage
         drop_weight_decay(optimizers)
     if lambda_warmup:
         set_lambda(raw_model, min(1.0, step / (lambda_warmup * max_steps)))
-    # known from the step alone, so a resumed chunk resets where a straight run does
-    before = manager.active((step - 1) / max_steps) if step else None
-    if phase_reset and before is not None and manager.active(step / max_steps) != before:
+    if phase_reset and new_phase(step):
         reset_moments(optimizers)
     train_loss, metrics = micro_steps(step, b)
     grad_norm, zclipped = clip_gradients(model, optimizers, scaler, grad_clip, zclipper)

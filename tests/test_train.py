@@ -247,3 +247,8 @@ def test_a_new_phase_starts_the_optimizer_moments_afresh_in_a_straight_and_a_res
     losses = {out: [rec['loss'] for rec in log(out)] for out in (straight, chunked, carried)}
     assert losses[straight] == losses[chunked]
     assert losses[carried][:3] == losses[straight][:3] and losses[carried][4:] != losses[straight][4:]
+    # phase_warmup: the LR of the switch's step and the next warms up again, then goes on as before
+    warmed = str(tmp_path / 'warmed')
+    assert run([*args, f'--out_dir={warmed}', '--phase_warmup=2']).returncode == 0
+    ratios = [a['lr_hidden'] / b['lr_hidden'] for a, b in zip(log(warmed), log(straight))]
+    assert ratios == [1, 1, 1, 0.5, 1, 1]
