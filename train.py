@@ -114,8 +114,8 @@ objectives = {'ce': {}}
 curriculum = [(1.0, {'ce': 1.0})]
 blend = 'switch'       # or 'linear', 'cosine'
 phase_reset = True     # a step that trains other objectives than the last starts the
-                       # optimizer's moments afresh (the old phase's would size its steps)
-phase_warmup = 0       # ... and the LR warms up again over this many steps (0: not)
+                       # optimizer's moments afresh and warms the LR up again over
+                       # warmup_steps (the old phase's moments would size its steps)
 teacher = ''           # '' (none), a checkpoint or HF dir, or a vLLM URL http://...
 teacher_model = ''     # the model name a vLLM teacher serves
 teacher_top_k = 20     # logprobs per position from a vLLM teacher
@@ -163,7 +163,7 @@ ranges = {'eval_interval': 'positive', 'eval_iters': 'positive', 'log_interval':
           'block_size': 'positive', 'gradient_accumulation_steps': 'positive',
           'n_layer': 'positive', 'n_embd': 'positive', 'n_head': 'positive',
           'n_kv_head': 'positive', 'intermediate_size': 'positive', 'act': ('silu', 'relu2'),
-          'weight_scale': ('matrix', 'row'), 'phase_warmup': 'non-negative',
+          'weight_scale': ('matrix', 'row'),
           'rope_theta': 'positive', 'lambda_warmup': 'fraction', 'subln_calib': 'positive',
           'lrc_rank': 'non-negative', 'lora_rank': 'non-negative', 'lora_alpha': 'positive',
           'blend': ('switch', 'linear', 'cosine'), 'teacher_top_k': 'positive',
@@ -573,9 +573,10 @@ def new_phase(s):
 while step < (stop_after or max_steps):
     floor = min_lr / learning_rate
     factor = lr_factor(step, max_steps, warmup_steps, schedule, floor, decay_frac)
-    since = next((k for k in range(phase_warmup) if new_phase(step - k)), None)
+    rewarm = range(warmup_steps) if phase_reset else ()
+    since = next((k for k in rewarm if new_phase(step - k)), None)
     if since is not None:  # the steps since the curriculum's last switch, warming up
-        factor *= (since + 1) / phase_warmup
+        factor *= (since + 1) / warmup_steps
     lrs = set_lr(optimizers, factor)
     if schedule == 'two_stage' and step >= max_steps // 2:  # BitNet b1.58's second stage
         drop_weight_decay(optimizers)
