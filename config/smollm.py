@@ -10,8 +10,9 @@
 # won `sweeps/convert.py` on SmolLM2-135M-Instruct (docs/conversion.md): for the first third of
 # the steps, block-wise reconstruction alone (each block, fed the fp block's input, learns to give
 # its output), then CE + logits KD at T = 5, LR 1e-3, no weight decay; at the switch AdamW's
-# moments start afresh and the LR warms up again over warmup_steps (phase_reset). There it closed 58% of the
-# CE-only student's gap to the teacher at 246k tokens (CE + KD from the start: 39%). Block-wise
+# moments start afresh and the LR warms up again over warmup_steps (phase_reset). There it
+# closed 58% of the CE-only student's gap to the teacher at 246k tokens (CE + KD from the
+# start: 39%), with the moments carried across the switch, as they were then. Block-wise
 # reconstruction runs on several ranks under FSDP (DDP cannot follow a teacher-forced block), so
 # torchrun turns fsdp on.
 # The model's own tokenizer.json tokenizes the data. Offline, download those files elsewhere and
