@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGETS = {'bitlinear.py': 390, 'kernels.py': 550, 'model.py': 570, 'moe.py': 150,
            'engine.py': 300, 'lora.py': 150, 'objectives.py': 550, 'optim.py': 300,
            'tokenizer.py': 250, 'hub.py': 250, 'data.py': 520, 'checkpoint.py': 250,
-           'gguf_export.py': 300, 'eval.py': 300, 'rl.py': 300, 'train.py': 625,
+           'gguf_export.py': 300, 'eval.py': 300, 'rl.py': 300, 'train.py': 635,
            'configurator.py': 100, 'sample.py': 120, 'bench.py': 530, 'sweep.py': 150,
            'arms.py': 125, 'remote.py': 250, 'teachers.py': 150, 'teach.py': 120}
 # a module may import project modules of lower levels only (tokenizer may use hub, beside it);
