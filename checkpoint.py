@@ -12,9 +12,11 @@ every file: a disk can still cut or flip bytes later, and the manifest is how a 
 tells. A failed write (a full disk) removes its temporary directory and says in one line
 which checkpoint is intact.
 
-`find` is the one way train.py, sample.py, eval.py and bench.py find a checkpoint: a
-run's folder gives its newest intact one (a damaged one is skipped with a warning), a
-checkpoint named directly is verified, a hub id is downloaded.
+`find` is the one way every script finds a checkpoint: a run's folder gives its newest
+intact one (a damaged one is skipped with a warning), a checkpoint named directly is
+verified, a hub id is downloaded. `load` is the one way every script opens one: the model
+(a LoRA checkpoint's adapters added onto the base it names, a ternary model packed when
+asked) and the name of the tokenizer it was trained with (`tokenizer_of`).
 """
 import errno
 import hashlib
@@ -30,6 +32,8 @@ import torch
 from safetensors import SafetensorError
 
 from hub import TOKENIZER_FILES, inside, resolve_model
+from lora import add_lora, load_adapters, read_config
+from model import Transformer
 
 STATE = 'train_state.pt'
 MANIFEST = 'manifest.json'
@@ -129,6 +133,37 @@ def find(src, set_aside=False):
                              f"name an intact checkpoint, or the run's folder "
                              f"to take its newest intact one")
     return path
+
+
+def tokenizer_of(ckpt):
+    """The tokenizer a checkpoint directory's model was trained with: the directory itself
+    when a tokenizer.json lies beside the weights, else the name its training state keeps
+    (tiktoken's and the byte tokenizer have no file), else None."""
+    if os.path.isfile(os.path.join(ckpt, 'tokenizer.json')):
+        return ckpt
+    state = os.path.join(ckpt, STATE)
+    if os.path.isfile(state):
+        return torch.load(state, weights_only=True).get('tokenizer') or None
+    return None
+
+
+def load(src, device='cpu', packed=True, tokenizer=''):
+    """(checkpoint directory, model in eval mode, tokenizer name) for `src`: a run's
+    folder, a checkpoint, a Hugging Face directory or a hub id (find). A LoRA checkpoint
+    (adapter_config.json) is loaded onto the base it names, adapters added. A ternary
+    model is frozen to 2-bit weights when `packed`. The tokenizer is `tokenizer` if given,
+    else the checkpoint's own (tokenizer_of), else 'bytes'. Raises OSError, ValueError,
+    RuntimeError or KeyError saying what is wrong."""
+    ckpt = find(src)
+    lora = read_config(ckpt)  # a LoRA checkpoint holds the adapters alone
+    base = lora['base_model_name_or_path'] if lora else ckpt
+    model = Transformer.from_pretrained(base).to(device).eval()
+    if lora:
+        add_lora(model.layers, lora['r'], lora['lora_alpha'], lora['target_modules'])
+        load_adapters(model.layers, ckpt)
+    if packed and model.config.bitnet and not model.config.packed:
+        model.freeze()
+    return ckpt, model, tokenizer or tokenizer_of(ckpt) or 'bytes'
 
 
 def copy_tokenizer(tokenizer_file, dest):

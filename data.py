@@ -36,7 +36,8 @@ from collections import deque
 import numpy as np
 import torch
 
-from hub import Progress, fetch, local_rank, wait_for
+from hub import fetch, local_rank, wait_for
+from report import Progress
 from tokenizer import chat_template, chat_turns, eos_id, get_tokenizer, render_chat
 
 IGNORE = -100  # a target that does not count: F.cross_entropy's ignore_index

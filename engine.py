@@ -20,49 +20,18 @@ the time of a decode token goes.
 prompts of different lengths are left-padded so that every row's next token sits in the
 same column, and a padding mask keeps the pads out of attention.
 
-`load` opens a checkpoint for use (sample.py, eval.py): found as train.py finds one, with
-its LoRA adapters, packed, and the name of the tokenizer it was trained with.
 `llama_cpp_forward` runs a GGUF export through llama.cpp behind the same signature as a
 model's forward (token ids to logits), so that both are scored by the same code.
 """
 import functools
-import os
 import time
 
 import torch
 import torch.nn.functional as F
 
-import checkpoint
-import kernels
 from bitlinear import PackedBitLinear
 from kernels import pack_int8, ternary_linear
-from lora import add_lora, load_adapters, read_config
-from model import MLP, Transformer
-
-
-def load(src, device='cpu', packed=True, tokenizer=''):
-    """(checkpoint directory, model in eval mode, tokenizer name) for `src`: a run's
-    folder, a checkpoint, a Hugging Face directory or a hub id (checkpoint.find). A LoRA
-    checkpoint (adapter_config.json) is loaded onto the base it names, adapters added. A
-    ternary model is frozen to 2-bit weights unless not `packed`. The tokenizer is
-    `tokenizer` if given, else the checkpoint's tokenizer.json, else the one its training
-    state names (tiktoken and byte tokenizers have no file), else 'bytes'. Raises
-    OSError, ValueError, RuntimeError or KeyError saying what is wrong."""
-    ckpt = checkpoint.find(src)
-    lora = read_config(ckpt)  # a LoRA checkpoint holds the adapters alone
-    base = lora['base_model_name_or_path'] if lora else ckpt
-    model = Transformer.from_pretrained(base).to(device).eval()
-    if lora:
-        add_lora(model.layers, lora['r'], lora['lora_alpha'], lora['target_modules'])
-        load_adapters(model.layers, ckpt)
-    if packed and model.config.bitnet and not model.config.packed:
-        model.freeze()
-    state = os.path.join(ckpt, checkpoint.STATE)
-    if not tokenizer and os.path.exists(os.path.join(ckpt, 'tokenizer.json')):
-        tokenizer = ckpt
-    elif not tokenizer and os.path.exists(state):
-        tokenizer = torch.load(state, weights_only=True)['tokenizer']
-    return ckpt, model, tokenizer or 'bytes'
+from model import Attention, MLP
 
 
 def llama_cpp_forward(path, max_len=2048):
@@ -257,11 +226,11 @@ def fuse(model):
         w = torch.cat([p.weight for p in parts])
         rows = [p.out_features for p in parts]
         gamma = torch.cat([p.weight_scale.expand(n) for p, n in zip(parts, rows)])
-        module.fused = fused_call(w, gamma, rows)
+        module.use_fused(fused_call(w, gamma, rows))
         for p, view in zip(parts, w.split(rows)):
-            p.weight = view
+            p.register_buffer('weight', view)  # the same bytes, now inside w
     w8, scale = pack_int8(model.lm_head.weight)
-    model.head8 = functools.partial(ternary_linear, w=w8, gamma=scale)
+    model.use_head(functools.partial(ternary_linear, w=w8, gamma=scale))
     return model
 
 
@@ -280,31 +249,53 @@ def weight_bytes(model):
 def profile_token(model, x, new):
     """Where a decode token's time goes: ms per token in the LM head, the packed projections
     (kernels.py), attention (SDPA) and the rest (norms, RoPE, the cache, residuals, Python),
-    timing each call during one greedy generate of `new` tokens from x."""
+    timing each call during one greedy generate of `new` tokens from x. The calls are timed
+    through the model's own hooks (forward hooks, use_fused, use_head, use_attention), all
+    put back afterwards."""
     ms = dict.fromkeys(('head', 'projections', 'attention'), 0.0)
+    started = {}
 
     def timed(part, fn):
         def run(*args, **kw):
             t0 = time.perf_counter()
             y = fn(*args, **kw)
-            ms[part(args[1]) if callable(part) else part] += (time.perf_counter() - t0) * 1e3
+            ms[part] += (time.perf_counter() - t0) * 1e3
             return y
         return run
 
-    def kind(w):  # the int8 head of fuse() runs through the same op as the projections
-        return 'head' if w.dtype == torch.int8 else 'projections'
-    impl = kernels.best('cpu')
-    kernel, sdpa = kernels.IMPLS[impl], F.scaled_dot_product_attention
-    kernels.IMPLS[impl] = timed(kind, kernel)  # ternary_linear looks it up at every call
-    F.scaled_dot_product_attention = timed('attention', sdpa)
-    model.lm_head.forward = timed('head', model.lm_head.forward)
+    def before(module, args):
+        started[module] = time.perf_counter()
+
+    def after(part):
+        def hook(module, args, y):
+            ms[part] += (time.perf_counter() - started.pop(module)) * 1e3
+        return hook
+    hooks = []
+    layers = [(m, 'projections') for m in model.modules() if isinstance(m, PackedBitLinear)]
+    for module, part in layers + [(model.lm_head, 'head')]:
+        hooks += [module.register_forward_pre_hook(before),
+                  module.register_forward_hook(after(part))]
+    blocks = [m for m in model.modules() if isinstance(m, (Attention, MLP))]
+    fused = [(m, m.fused) for m in blocks if m.fused]
+    attention = [(m, m.attend) for m in model.modules() if isinstance(m, Attention)]
+    head8 = model.head8
+    for module, fn in fused:
+        module.use_fused(timed('projections', fn))
+    for module, fn in attention:
+        module.use_attention(timed('attention', fn))
+    if head8:
+        model.use_head(timed('head', head8))
     try:
         t0 = time.perf_counter()
         generate(model, x, new, temperature=0)
         total = (time.perf_counter() - t0) * 1e3
     finally:
-        kernels.IMPLS[impl] = kernel
-        F.scaled_dot_product_attention = sdpa
-        del model.lm_head.forward
+        for hook in hooks:
+            hook.remove()
+        for module, fn in fused:
+            module.use_fused(fn)
+        for module, fn in attention:
+            module.use_attention(fn)
+        model.use_head(head8)
     parts = {k: v / new for k, v in ms.items()}
     return parts | {'rest': (total - sum(ms.values())) / new, 'total': total / new}

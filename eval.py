@@ -35,10 +35,12 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
+from checkpoint import load
 from configurator import configure
 from data import IGNORE, offline_corpus
-from engine import llama_cpp_forward, load
-from hub import DownloadError, Progress, cache_dir
+from engine import llama_cpp_forward
+from hub import DownloadError, cache_dir
+from report import Progress
 from tokenizer import eos_id, get_tokenizer
 
 

@@ -11,56 +11,24 @@ downloads; the other ranks wait for the file to appear.
 
 Files are cached under ~/.cache/nanobitnet (or NANOBITNET_CACHE). `resolve_model` turns
 a hub id into a local Hugging Face directory: config.json, the safetensors weights (one
-file or shards), and the tokenizer files. `Progress` is the one progress line every long
-job here prints.
+file or shards), and the tokenizer files.
 """
 import hashlib
 import json
 import os
 import re
-import sys
 import time
 import urllib.parse
 
 import requests
 import urllib3  # requests' own transport, installed with it: its read errors are raised here
 
+from report import Progress
+
 # the files of a model's tokenizer and chat template, which travel with its weights
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'chat_template.jinja')
 # fewer than STALL_BYTES in STALL_SECONDS (or a silent read that long) ends a try: stalled
 STALL_BYTES, STALL_SECONDS = 1 << 16, 30.0
-
-
-class Progress:
-    """One progress line for long work (downloads, preparing data, evaluation):
-    rewritten in place on a terminal, a new line every `every` seconds otherwise, so that
-    logs stay readable; nothing for work that ends within `delay` seconds. Amounts are in
-    `unit`s of `scale` (MB: 1e6)."""
-
-    def __init__(self, what, total=0, unit=' MB', scale=1e6, start=0, delay=2.0,
-                 every=10.0):
-        self.what, self.total, self.start = what, total, start
-        self.unit, self.scale = unit, scale
-        self.tty, self.every = sys.stdout.isatty(), every
-        self.t0, self.shown, self.delay = time.time(), 0.0, delay
-
-    def __call__(self, done, extra='', last=False):
-        now = time.time()
-        if now - self.t0 < self.delay:
-            return
-        if not last and now - self.shown < (0.5 if self.tty else self.every):
-            return
-        self.shown = now
-        rate = (done - self.start) / (now - self.t0)
-        f = ',.1f' if self.scale > 1 else ',.0f'
-        line = f"{self.what}: {done / self.scale:{f}}"
-        if self.total:
-            line += f" / {self.total / self.scale:{f}}"
-        line += f"{self.unit}{extra}, {rate / self.scale:,.1f}{self.unit}/s"
-        if self.total and not last and rate > 0:
-            line += f", ETA {(self.total - done) / rate:.0f}s"
-        end = '\n' if last or not self.tty else ''
-        print(f"\r{line}\033[K" if self.tty else line, end=end, flush=True)
 
 
 class DownloadError(OSError):

@@ -141,7 +141,17 @@ class Attention(nn.Module):
             self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
         else:
             self.q_norm = self.k_norm = nn.Identity()
-        self.fused = None  # q/k/v in one call, set by engine.fuse
+        self.fused = None  # q/k/v in one call (use_fused)
+        self.attend = F.scaled_dot_product_attention  # (use_attention)
+
+    def use_fused(self, fused):
+        """q/k/v from one call of fused(x) (engine.fuse); None: three calls again."""
+        self.fused = fused
+
+    def use_attention(self, attend):
+        """Attention through `attend`, which takes what F.scaled_dot_product_attention
+        takes (engine.profile_token times it)."""
+        self.attend = attend
 
     def forward(self, x, cos, sin, cache=None, pos=0, causal=True, qkv=None, mask=None):
         B, T, _ = x.shape
@@ -166,8 +176,8 @@ class Attention(nn.Module):
         # causal; causal=False is the bidirectional attention of masked diffusion; a
         # mask (Transformer.forward: padding, a sliding window) holds the causal rule itself
         is_causal = causal and T > 1 and mask is None
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                           enable_gqa=self.n_kv_head != self.n_head)
+        y = self.attend(q, k, v, attn_mask=mask, is_causal=is_causal,
+                        enable_gqa=self.n_kv_head != self.n_head)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hs)
         return self.o_proj(self.attn_sub_norm(y))
 
@@ -182,7 +192,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(H, C, bias=False)
         self.ffn_sub_norm = SubLN(H, eps=cfg.norm_eps) if cfg.subln else nn.Identity()
         self.act = F.silu if cfg.act == 'silu' else lambda g: F.relu(g).square()
-        self.fused = None  # gate/up in one call, set by engine.fuse
+        self.fused = None  # gate/up in one call (use_fused)
+
+    def use_fused(self, fused):
+        """gate/up from one call of fused(x) (engine.fuse); None: two calls again."""
+        self.fused = fused
 
     def forward(self, x):
         g, u = self.fused(x) if self.fused else (self.gate_proj(x), self.up_proj(x))
@@ -272,8 +286,8 @@ class Transformer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.config = cfg
-        self.grad_ckpt = False  # activation checkpointing, set by the trainer
-        self.head8 = None  # the int8 head of engine.fuse
+        self.grad_ckpt = False  # activation checkpointing (checkpoint_activations)
+        self.head8 = None  # the int8 head of engine.fuse (use_head)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         # packed (inference, LoRA): frozen block by block, its fp32 weights never all
         # there at once (low-rank corrections are made on the whole model)
@@ -406,6 +420,17 @@ class Transformer(nn.Module):
             if router:
                 feats['router'] += router
         return (self.head8 or self.lm_head)(self.norm(x))  # (B, T, vocab)
+
+    def checkpoint_activations(self, on=True):
+        """Keep only each block's input in training; backward recomputes the rest (less
+        memory, about a third more compute)."""
+        self.grad_ckpt = on
+        return self
+
+    def use_head(self, head):
+        """The logits from head(x) instead of lm_head (engine.fuse's int8 head); None:
+        lm_head again."""
+        self.head8 = head
 
     def flops_per_token(self, T):
         # 6 flops per parameter a token uses (forward + backward), plus attention's QK^T

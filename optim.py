@@ -20,7 +20,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from hub import Progress
+from report import Progress, write_svg
 
 SCHEDULES = ('cosine', 'linear', 'constant', 'wsd', 'two_stage')
 
@@ -196,28 +196,6 @@ def lr_range_test(train_step, steps=100, lo=1e-8, hi=1.0):
     slopes = [(losses[i + 1] - losses[i - 1]) / math.log(lrs[i + 1] / lrs[i - 1])
               for i in range(1, len(lrs) - 1)]
     return lrs, losses, lrs[1 + min(range(len(slopes)), key=slopes.__getitem__)]
-
-
-def write_svg(path, curves, title, mark=None, W=560, H=320):
-    """A line plot: curves {label: (xs, ys)}, one colour each with its label on the
-    right, and a red vertical line at x = mark."""
-    xs = [x for cx, _ in curves.values() for x in cx]
-    ys = [y for _, cy in curves.values() for y in cy]
-    px = lambda x: 50 + (x - min(xs)) / (max(xs) - min(xs) or 1) * (W - 220)
-    py = lambda y: H - 30 - (y - min(ys)) / (max(ys) - min(ys) or 1) * (H - 60)
-    parts = [f'<text x="50" y="15">{title}</text>']
-    for i, (label, (cx, cy)) in enumerate(curves.items()):
-        color = ('black', 'blue', 'green', 'orange', 'purple', 'brown', 'gray')[i % 7]
-        points = ' '.join(f'{px(x):.1f},{py(y):.1f}' for x, y in zip(cx, cy))
-        parts.append(f'<polyline fill="none" stroke="{color}" points="{points}"/>'
-                     f'<text x="{W - 160}" y="{30 + 14 * i}" fill="{color}">{label}</text>')
-    if mark is not None:
-        x = f'{px(mark):.1f}'
-        parts.append(f'<line x1="{x}" x2="{x}" y1="20" y2="{H - 30}" stroke="red"/>')
-    with open(path, 'w') as f:
-        f.write(f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
-                'font-size="11"><rect width="100%" height="100%" fill="white"/>'
-                + ''.join(parts) + '</svg>')
 
 
 def find_lr(train_step, out_dir, model, verbose=True):

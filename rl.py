@@ -33,8 +33,9 @@ import sys
 import torch
 import torch.distributed as dist
 
+from checkpoint import load
 from configurator import configure, words
-from engine import load, rollout
+from engine import rollout
 from hub import cache_dir
 from objectives import group_advantages
 from tokenizer import chat_prompt, chat_template, eos_id, get_tokenizer
@@ -176,21 +177,21 @@ def all_ranks_done(done):
 
 
 class Rollouts:
-    """A step's GRPO batches: `prompts` prompts per micro-batch and rank, each sampled
-    `group` times, in `micro_steps` micro-batches per rank, from the prompt file `path`;
-    and the greedy scores of the prompts of `heldout` (a file, or '' for none). Prompts
-    and completions must fit the model's `context`."""
+    """A step's GRPO batches from the prompt file `path`, each prompt sampled `group`
+    times; and the greedy scores of the prompts of `heldout` (a file, or '' for none).
+    Prompts and completions must fit the model's `context`. How many prompts a
+    micro-batch holds and how many micro-batches a step has are the trainer's, given
+    at every step."""
 
-    def __init__(self, path, heldout, enc, context, prompts, micro_steps, seed=0, rank=0,
-                 world_size=1, sync=False, group=8, max_new_tokens=128, temperature=1.0,
-                 top_p=1.0, rewards=('correct_answer',), scale_rewards='group',
-                 iterations=1):
+    def __init__(self, path, heldout, enc, context, seed=0, rank=0, world_size=1,
+                 sync=False, group=8, max_new_tokens=128, temperature=1.0, top_p=1.0,
+                 rewards=('correct_answer',), scale_rewards='group', iterations=1):
         if group < 2:
             raise ValueError(f"group={group}: GRPO compares at least 2 completions")
         room = context - max_new_tokens
         self.rows = read_prompts(path, enc, rewards, room)
         self.heldout = read_prompts(heldout, enc, rewards, room) if heldout else []
-        self.enc, self.prompts, self.micro_steps = enc, prompts, micro_steps
+        self.enc = enc
         self.group, self.max_new_tokens = group, max_new_tokens
         self.temperature, self.top_p = temperature, top_p
         self.rewards, self.scale_rewards = list(rewards), scale_rewards
@@ -226,21 +227,36 @@ class Rollouts:
     def load_state_dict(self, state):
         self.cached = state
 
-    def step(self, model, step):
-        """(micro-batches, metrics) for optimizer step `step`: sampled at every
-        `iterations`-th step, and used until the next."""
+    def probe(self, prompts, device):
+        """A micro-batch of `prompts` prompts in the largest shape sampling can give (the
+        longest prompt, every completion max_new_tokens long), its tokens arbitrary: what
+        auto batch tries a micro-batch size with."""
+        n, L = prompts * self.group, self.max_new_tokens
+        P = max(len(row['tokens']) for row in self.rows)
+        x = torch.randint(self.enc.n_vocab, (n, P + L), device=device)
+        valid = torch.ones_like(x, dtype=torch.bool)
+        return {'rollouts': {
+            'x': x, 'valid': valid, 'mask': valid[:, P:],
+            'advantages': torch.ones(n, device=device), 'max_len': L,
+            'active_tokens': torch.tensor(float(n * L), device=device),
+            'temperature': self.temperature}}
+
+    def step(self, model, step, prompts, micro_steps):
+        """(micro-batches, metrics) for optimizer step `step`, `micro_steps` micro-batches
+        of `prompts` prompts each: sampled at every `iterations`-th step, and used until
+        the next."""
         start = step - step % self.iterations
         if self.cached['start'] != start:
-            batches, metrics = self.sample(model, start)
+            batches, metrics = self.sample(model, start, prompts, micro_steps)
             self.cached = {'start': start, 'batches': batches, 'metrics': metrics}
         return self.cached['batches'], self.cached['metrics']
 
     @torch.no_grad()
-    def sample(self, model, step):
+    def sample(self, model, step, prompts, micro_steps):
         """(micro-batches, metrics) sampled at optimizer step `step`: rank r takes the r-th
         run of the step's prompts; rewards are gathered from every rank so that advantages
         and the token count of the 'dapo' loss are the whole batch's."""
-        per_rank = self.prompts * self.micro_steps
+        per_rank = prompts * micro_steps
         first = (step * self.world_size + self.rank) * per_rank
         picks = [int(self.order[(first + i) % len(self.rows)]) for i in range(per_rank)]
         rows = [self.rows[i] for i in picks for _ in range(self.group)]
@@ -258,11 +274,11 @@ class Rollouts:
         B = len(rows)
         mine = advantages[self.rank * B:(self.rank + 1) * B]
         tokens = all_gather(mask.sum().view(1)).sum()
-        micro_batches = self.world_size * self.micro_steps
+        micro_batches = self.world_size * micro_steps
         active = tokens.float() / micro_batches
-        n = self.prompts * self.group
+        n = prompts * self.group
         batches = []
-        for m in range(self.micro_steps):
+        for m in range(micro_steps):
             part = slice(m * n, (m + 1) * n)
             batches.append({'rollouts': {
                 'x': x[part], 'valid': valid[part], 'mask': mask[part],
@@ -310,7 +326,7 @@ def main(argv):
         _, model, tokenizer = load(c['ckpt'])
         enc = get_tokenizer(tokenizer)
         scorer = Rollouts('arithmetic', 'arithmetic_heldout', enc, model.config.max_seq_len,
-                          1, 1, max_new_tokens=c['max_new_tokens'],
+                          max_new_tokens=c['max_new_tokens'],
                           rewards=c['rewards'].split(','))
     except (OSError, ValueError, RuntimeError, KeyError) as e:
         raise SystemExit(f"error: {e}") from None

@@ -26,7 +26,7 @@ import torch
 import checkpoint
 from arms import apply_commands, new_sweep, queue_command, table
 from configurator import configure, words
-from optim import write_svg
+from report import write_svg
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 

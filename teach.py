@@ -25,9 +25,10 @@ import time
 
 import torch
 
+from checkpoint import load
 from configurator import configure
 from data import shard_paths, write_documents
-from engine import load, teacher_text
+from engine import teacher_text
 from tokenizer import chat_prompt, chat_template, chat_turns, eos_id, get_tokenizer
 
 ckpt = 'out'           # the teacher: a run's folder, a checkpoint, an HF directory

@@ -169,18 +169,16 @@ def same_encoding(a, b):
     return a.encode_ordinary(probe) == b.encode_ordinary(probe)
 
 
-def run_tokenizer(start, saved='', wanted=''):
+def run_tokenizer(own=None, saved='', wanted=''):
     """The tokenizer a training run uses: (encoding, name, its tokenizer.json or None).
     A resumed run keeps the one it `saved`; else the one `wanted`, which must encode as
-    the starting model's own (the tokenizer.json beside its weights in `start`); else
-    that own one; else 'bytes'. Raises ValueError when wanted and own disagree."""
-    has_own = start and os.path.isfile(os.path.join(start, 'tokenizer.json'))
-    own = start if has_own else None
+    the starting model's `own` (checkpoint.tokenizer_of); else that own one; else 'bytes'.
+    Raises ValueError when wanted and own disagree."""
     name = saved or wanted or own or 'bytes'
     enc = get_tokenizer(name)
     if own and name != own and not same_encoding(enc, get_tokenizer(own)):
         raise ValueError(f"tokenizer {wanted!r} does not encode as the model's own "
-                         f"({own}/tokenizer.json); leave tokenizer unset")
+                         f"({own}); leave tokenizer unset")
     path = os.path.join(name, 'tokenizer.json')  # checkpoints carry it
     if not os.path.isfile(path):
         path = name if os.path.isfile(name) else None

@@ -31,7 +31,7 @@ from configurator import configure
 from data import Batches, offline_corpus, preference_pairs, setup_data
 from engine import complete
 from eval import check_tasks, loss_sums, token_bytes, zero_shot
-from hub import Progress
+from report import Progress
 from lora import attach_lora, load_adapters, save_adapters, set_adapters
 from model import ModelConfig, Transformer
 from objectives import ObjectiveManager, ce_loss, mask_token

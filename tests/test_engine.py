@@ -1,4 +1,6 @@
 """engine.py: generation with a KV cache against full forwards, and the fused decode model."""
+import copy
+
 import torch
 
 from engine import fuse, generate
@@ -58,21 +60,27 @@ def test_fuse_changes_only_the_head_and_saves_the_same_checkpoint(tmp_path):
 
 
 def test_profile_token_times_every_part_and_puts_everything_back():
+    """Packed and fused: every part timed, the parts adding up to the token, and the model
+    left as it was (no hook, the same fused calls, attention and head) and decoding alike."""
     import torch.nn.functional as F
 
-    import kernels
     from engine import profile_token
+    from model import MLP, Attention
     torch.manual_seed(0)
-    model = fuse(Transformer(ModelConfig(vocab_size=300, n_layer=2, n_embd=64, n_head=4,
-                                         n_kv_head=2, intermediate_size=96,
-                                         bitnet=True)).eval().freeze())
-    impls, sdpa = dict(kernels.IMPLS), F.scaled_dot_product_attention
+    packed = Transformer(ModelConfig(vocab_size=300, n_layer=2, n_embd=64, n_head=4,
+                                     n_kv_head=2, intermediate_size=96,
+                                     bitnet=True)).eval().freeze()
     idx = tokens(300, B=1, T=5)
-    want = generate(model, idx, 4, temperature=0)
-    parts = profile_token(model, idx, 4)
-    assert set(parts) == {'head', 'projections', 'attention', 'rest', 'total'}
-    assert all(parts[k] > 0 for k in ('head', 'projections', 'attention', 'total'))
-    assert abs(sum(v for k, v in parts.items() if k != 'total') - parts['total']) < 1e-9
-    assert kernels.IMPLS == impls and F.scaled_dot_product_attention is sdpa
-    assert 'forward' not in vars(model.lm_head)
-    assert torch.equal(generate(model, idx, 4, temperature=0), want)
+    for model in (packed, fuse(copy.deepcopy(packed))):
+        blocks = [m for m in model.modules() if isinstance(m, (Attention, MLP))]
+        fused, head8 = [m.fused for m in blocks], model.head8
+        want = generate(model, idx, 4, temperature=0)
+        parts = profile_token(model, idx, 4)
+        assert set(parts) == {'head', 'projections', 'attention', 'rest', 'total'}
+        assert all(parts[k] > 0 for k in ('head', 'projections', 'attention', 'total'))
+        assert abs(sum(v for k, v in parts.items() if k != 'total') - parts['total']) < 1e-9
+        assert [m.fused for m in blocks] == fused and model.head8 is head8
+        assert all(m.attend is F.scaled_dot_product_attention
+                   for m in blocks if isinstance(m, Attention))
+        assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+        assert torch.equal(generate(model, idx, 4, temperature=0), want)

@@ -190,8 +190,8 @@ def trained(tmp_path_factory):
 @pytest.mark.parametrize('name,ternary', [('default', 'tq2_0'), ('blocks', 'tq2_0'), ('blocks', 'tq1_0')])
 def test_llama_cpp_runs_our_ternary_export(trained, tmp_path, name, ternary):
     path = tmp_path / 'm.gguf'
-    r = subprocess.run([sys.executable, 'sample.py', f'--ckpt={trained[name]}', f'--export={path}',
-                        f'--export_ternary={ternary}'], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, 'export.py', f'--ckpt={trained[name]}', f'--gguf={path}',
+                        f'--ternary={ternary}'], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and 'wrote' in r.stdout, r.stderr
     enc = tokenizer.get_tokenizer('bytes')
     tokens = data.offline_corpus(enc)[1][:512].tolist()  # held out
@@ -203,13 +203,13 @@ def test_llama_cpp_runs_our_ternary_export(trained, tmp_path, name, ternary):
 
 @pytest.mark.slow
 def test_llama_cpp_applies_our_lora_adapters_to_a_ternary_base(trained, tmp_path):
-    """sample.py --export on a LoRA checkpoint of a ternary base: the base GGUF plus llama.cpp's
+    """export.py --gguf on a LoRA checkpoint of a ternary base: the base GGUF plus llama.cpp's
     separate adapter file; llama.cpp with both gives our logits with the adapters."""
     from test_lora import save_random_adapters
     ckpt, path = tmp_path / 'lora', tmp_path / 'm.gguf'
     base = Transformer.from_pretrained(trained['blocks']).freeze()
     ours = save_random_adapters(base, trained['blocks'], ckpt).eval()
-    r = subprocess.run([sys.executable, 'sample.py', f'--ckpt={ckpt}', f'--export={path}'],
+    r = subprocess.run([sys.executable, 'export.py', f'--ckpt={ckpt}', f'--gguf={path}'],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and 'wrote' in r.stdout, r.stderr
     tokens = data.offline_corpus(tokenizer.get_tokenizer('bytes'))[1][:256].tolist()  # held out
@@ -263,14 +263,14 @@ def test_export_from_the_command_line_carries_the_chat_template(tmp_path):
     ckpt = tmp_path / 'ckpt'
     Transformer(ModelConfig(vocab_size=320, n_layer=1, bitnet=True)).save_pretrained(str(ckpt))
     (ckpt / 'chat_template.jinja').write_text("{% for m in messages %}<|im_start|>{{ m['content'] }}{% endfor %}")
-    r = subprocess.run([sys.executable, 'sample.py', f'--ckpt={ckpt}', f'--export={tmp_path / "m.gguf"}',
-                        '--export_dtype=float16'], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, 'export.py', f'--ckpt={ckpt}', f'--gguf={tmp_path / "m.gguf"}',
+                        '--dtype=float16'], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and 'wrote' in r.stdout, r.stderr
     reader = gguf.GGUFReader(str(tmp_path / 'm.gguf'))
     assert field(reader, 'tokenizer.chat_template').startswith('{% for m in messages %}')
     assert {t.name: t.tensor_type for t in reader.tensors}['token_embd.weight'] == T.F16
-    r = subprocess.run([sys.executable, 'sample.py', f'--ckpt={ckpt}', f'--export={tmp_path / "x.gguf"}',
-                        '--export_ternary=tq3'], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, 'export.py', f'--ckpt={ckpt}', f'--gguf={tmp_path / "x.gguf"}',
+                        '--ternary=tq3'], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and r.stderr.count('\n') == 1 and 'tq2_0' in r.stderr  # one line, the choices
 
 
@@ -281,9 +281,9 @@ def test_an_export_scores_through_llama_cpp_as_the_checkpoint_does(trained, tmp_
     import json
 
     import eval
-    from engine import load
+    from checkpoint import load
     path = tmp_path / 'm.gguf'
-    subprocess.run([sys.executable, 'sample.py', f'--ckpt={trained["blocks"]}', f'--export={path}'], cwd=ROOT,
+    subprocess.run([sys.executable, 'export.py', f'--ckpt={trained["blocks"]}', f'--gguf={path}'], cwd=ROOT,
                    check=True, capture_output=True, timeout=300)
     r = subprocess.run([sys.executable, 'eval.py', f'--gguf={path}', '--tokenizer=bytes', '--tasks=arc_easy',
                         '--limit=40', f'--out={tmp_path / "r.json"}'], cwd=ROOT, capture_output=True, text=True,

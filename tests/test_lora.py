@@ -1,4 +1,4 @@
-"""LoRA on a frozen base (lora.py, bitlinear.py, train.py, sample.py): what trains, what stays bit-identical, the
+"""LoRA on a frozen base (lora.py, bitlinear.py, train.py, sample.py, export.py): what trains, what stays bit-identical, the
 STE gradient through packed weights, and the adapter files against PEFT on transformers' models."""
 import json
 import os
@@ -173,9 +173,9 @@ def test_peft_loads_our_adapters_onto_transformers_llama(tmp_path):
         assert (ours(x) - ref(x).logits).abs().max().item() <= 1e-4
         with ref.disable_adapter():  # and the adapters change the logits: the check is not vacuous
             assert (ours(x) - ref(x).logits).abs().max().item() > 1e-3
-    # sample.py merges them into the fp base and writes a plain checkpoint that transformers opens
+    # export.py merges them into the fp base and writes a plain checkpoint that transformers opens
     merged = str(tmp_path / 'merged')
-    r = run([f'--ckpt={out}', f'--merge={merged}'], script='sample.py')
+    r = run([f'--ckpt={out}', f'--merge={merged}'], script='export.py')
     assert r.returncode == 0, r.stderr
     plain = transformers.LlamaForCausalLM.from_pretrained(merged).eval()
     with torch.no_grad():
@@ -251,7 +251,7 @@ def test_sample_runs_a_ternary_base_with_adapters_and_refuses_to_merge(tmp_path)
     assert r.returncode == 0, r.stderr
     r = run([f'--ckpt={out}', '--num_tokens=5', '--temperature=0'], script='sample.py')
     assert r.returncode == 0 and 'packed ternary' in r.stdout, r.stderr
-    r = run([f'--ckpt={out}', f'--merge={tmp_path / "m"}'], script='sample.py')
+    r = run([f'--ckpt={out}', f'--merge={tmp_path / "m"}'], script='export.py')
     assert r.returncode != 0 and 'error: LoRA adapters on a ternary base cannot be merged' in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not os.path.exists(tmp_path / 'm')
 

@@ -218,7 +218,7 @@ def test_activation_checkpointing_gives_the_same_router_gradients():
     model = Transformer(config(bitnet=True, n_shared_experts=1))
     grads = []
     for ckpt in (False, True):
-        model.grad_ckpt = ckpt
+        model.checkpoint_activations(ckpt)
         model.zero_grad()
         feats = {'router': []}
         logits = model(tokens(), feats=feats)
