@@ -6,12 +6,14 @@ A sweep file sets `out_dir`; `config` (a train.py config file, optional) and `ba
 ({setting: value}) for every arm; `max_steps` and `chunks`; `arms` ({name: {setting:
 value}}) or a `grid` ({setting: [values]}, an arm per combination); and `halving`.
 """
+import ast
 import copy
 import functools
 import itertools
 import json
 import os
 import runpy
+import subprocess
 import sys
 
 import checkpoint
@@ -21,15 +23,16 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 REQUIRED = {'out_dir': str, 'max_steps': int, 'chunks': int}  # the sweep's, for every arm
 
 
-@functools.cache  # train.py's text is run once per sweep, not once per arm
+@functools.cache  # train.py is asked once per sweep, not once per arm
 def defaults():
-    """train.py's settings with their defaults, and their ranges: its text run up to where
-    it reads its arguments."""
-    with open(os.path.join(ROOT, 'train.py')) as f:
-        text = f.read()
-    scope = {}
-    exec(text[:text.index('\nconfig = configure(')], scope)
-    return scope['config'], scope['ranges']
+    """train.py's settings with their defaults, and their ranges, as `train.py --check`
+    prints them."""
+    check = [sys.executable, os.path.join(ROOT, 'train.py'), '--check']
+    r = subprocess.run(check, capture_output=True, text=True, cwd=ROOT)
+    if r.returncode:
+        raise SystemExit(f"error: train.py --check failed: {r.stderr.strip()}")
+    resolved = ast.literal_eval(r.stdout.strip().splitlines()[-1])
+    return resolved['settings'], resolved['ranges']
 
 
 def checked(arm, args):

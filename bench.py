@@ -144,11 +144,11 @@ def bench_decode(prompt=128, new=32):
                       intermediate_size=5120, max_seq_len=prompt + new)  # dims k * 256
     src = smollm2()
     for name, fp, tok in (('~0.8B Llama, random', Transformer(cfg), 'bytes'),
-                          ('SmolLM2-135M-Instruct', Transformer.from_pretrained(src), src)):
+                          ('SmolLM2-135M-Instruct', checkpoint.load(src, packed=False)[1], src)):
         enc, packed = get_tokenizer(tok), deepcopy(fp.eval()).to_bitnet().freeze()
         models = {'ours fp32': fp, 'ours packed': packed, 'ours fused': fuse(deepcopy(packed))}
-        models['ours compiled'] = compiled = deepcopy(models['ours fused'])
-        compiled.forward = torch.compile(compiled.forward, dynamic=True)
+        compiled = torch.compile(deepcopy(models['ours fused']), dynamic=True)
+        models['ours compiled'] = compiled
         long = torch.randint(enc.n_vocab, (1, prompt))
         one = torch.randint(enc.n_vocab, (1, 1))
         cases = {(k, i): (lambda m, x, n: generate(m, x, n, temperature=0), [(m, x, n)])
@@ -194,8 +194,9 @@ def bench_decode(prompt=128, new=32):
 
 def use_reference(model, on=True):
     """BitLinears run their autograd definition `reference`, not the int8 Function."""
-    for m in [m for m in model.modules() if isinstance(m, BitLinear) and on]:
-        m.forward = m.reference
+    for m in model.modules():
+        if isinstance(m, BitLinear):
+            m.use_reference(on)
     return model
 
 
@@ -439,8 +440,9 @@ def bench_kernels_per_layer():
 
     def run(forward, fresh_weight=False):
         def fn():
-            if fresh_weight:  # forget the quantized weight, as an optimizer step makes it
-                layer.quantized_from = None
+            if fresh_weight:  # a new weight version, as an optimizer step makes it
+                with torch.no_grad():
+                    layer.weight.add_(0.0)
             with torch.autocast(device, dtype, enabled=dtype != torch.float32):
                 forward(x).float().square().mean().backward()
         return fn
@@ -485,7 +487,8 @@ def bench_curve(steps=200):
         torch.manual_seed(1337)  # the same init in every run
         model = Transformer(ModelConfig(vocab_size=320, max_seq_len=128, bitnet=True)).to(device)
         for p in model.parameters() if nudge else ():
-            p.data = torch.nextafter(p.data, torch.full_like(p.data, float('inf')))
+            with torch.no_grad():
+                p.copy_(torch.nextafter(p, torch.full_like(p, float('inf'))))
         step = stepper(use_reference(model, ref), dtype)
         curves.append([step(x.to(device), y.to(device)) for x, y in batches])
     print(f"\n{steps} AdamW steps (lr 1.5e-3) of the default ternary model, batch 16 x "
@@ -512,14 +515,14 @@ def bench_distill():
     with open(os.path.join(out, 'sweep.jsonl')) as f:  # each arm's wall time, all chunks
         minutes = {row['arm']: row['minutes'] for row in json.loads(f.readlines()[-1])}
     enc = get_tokenizer(src)
-    val, teacher = offline_corpus(enc)[1], Transformer.from_pretrained(src).eval()
+    val, teacher = offline_corpus(enc)[1], checkpoint.load(src, packed=False)[1]
     res = json.load(open(path)) if os.path.exists(path) else {}
     if 'teacher' not in res:  # scored once, like every arm
         res['teacher'] = dict(heldout(teacher, val, enc), time_s=0, tokens=0)
     for arm in [a for a in arms if a not in res]:  # the arms not yet scored
         run = os.path.join(out, arm)
         last = [json.loads(line) for line in open(os.path.join(run, 'log.jsonl'))][-1]
-        student = Transformer.from_pretrained(checkpoint.find(run)).eval()
+        student = checkpoint.load(run, packed=False)[1]
         res[arm] = dict(heldout(student, val, enc), time_s=minutes[arm] * 60,
                         tokens=last['tokens'])
         with open(path, 'w') as f:
@@ -549,7 +552,7 @@ def bench_upload(steps=100, rate=1 << 20):
     that an upload is always in flight), against the same run without uploads."""
     import s3server
     process, proxy, env = s3server.start()
-    proxy.rate = rate
+    proxy.throttle(rate)
     medians = []
     for upload in ([], ['--upload_to=s3://runs/bench']):
         with tempfile.TemporaryDirectory() as out:

@@ -103,6 +103,12 @@ class BitLinear(nn.Linear):
         self.rms_norm = None  # the optional norm of its input, see add_input_norms
         self.row_scales = False  # one gamma per output row, not one per matrix
         self.quantized = self.quantized_from = None  # see quantized_weight
+        self.by_definition = False  # forward runs `reference` (use_reference)
+
+    def use_reference(self, on=True):
+        """Run the autograd definition `reference` instead of the int8 Function (to
+        compare the two: bench.py train and curve)."""
+        self.by_definition = on
 
     def quantized_weight(self):
         """W_q (int8) and gamma, quantized once per value of the weight and reused until
@@ -144,6 +150,8 @@ class BitLinear(nn.Linear):
         return y.to(autocast_dtype(x.device.type) or x.dtype)
 
     def forward(self, x):
+        if self.by_definition:
+            return self.reference(x)
         if self.rms_norm is not None:
             x = self.rms_norm(x)
         w_q, gamma = self.quantized_weight()

@@ -1,20 +1,22 @@
 """
 Write a checkpoint in another form:
 
-    python export.py --gguf=model.gguf                 # out/'s newest checkpoint, for llama.cpp
-    python export.py --ckpt=out-lora --gguf=m.gguf     # a ternary base + its LoRA adapters
-    python export.py --ckpt=out-lora --merge=merged    # LoRA on an fp base, merged: one model
+    python export.py --gguf=model.gguf              # out/'s newest checkpoint, for llama.cpp
+    python export.py --ckpt=out-lora --gguf=m.gguf  # a ternary base + its LoRA adapters
+    python export.py --ckpt=out-lora --merge=m      # LoRA on an fp base, merged: one model
 
-`ckpt` is a run's folder, a checkpoint, a Hugging Face Llama/BitNet directory or a hub id,
-opened as every script opens one (checkpoint.load). --gguf=FILE writes a GGUF file that
-llama.cpp runs (gguf_export.py), with the tokenizer and its chat template: ternary matrices
-in TQ2_0 (or --ternary), the embedding, the head and an fp model's matrices in --dtype.
+`ckpt` is a run's folder, a checkpoint, a Hugging Face Llama/BitNet directory or
+a hub id, opened as every script opens one (checkpoint.load). --gguf=FILE writes
+a GGUF file that llama.cpp runs (gguf_export.py), with the tokenizer and its chat
+template: ternary matrices in TQ2_0 (or --ternary), the embedding, the head and an
+fp model's matrices in --dtype.
 
-A LoRA checkpoint (PEFT's files) is loaded onto the base its adapter_config.json names. On
-an fp base --merge=DIR folds the adapters into the weights and writes that model (and
---gguf writes the merged one). On a ternary base they stay beside the packed weights
-(W_q + B A is not ternary): --gguf=M.gguf writes the base to M.gguf and the adapters to
-M-lora.gguf, the file llama.cpp applies them from (llama-cli -m M.gguf --lora M-lora.gguf).
+A LoRA checkpoint (PEFT's files) is loaded onto the base its adapter_config.json
+names. On an fp base --merge=DIR folds the adapters into the weights and writes
+that model (--gguf writes the merged one). On a ternary base they stay beside the
+packed weights (W_q + B A is not ternary): --gguf=M.gguf writes the base to M.gguf
+and the adapters to M-lora.gguf, the file llama.cpp applies them from
+(llama-cli -m M.gguf --lora M-lora.gguf).
 """
 import os
 import sys
@@ -71,7 +73,7 @@ except (OSError, ValueError) as e:
 template = chat_template_text(ckpt)
 if template is not None:
     vocab['tokenizer.chat_template'] = template
-weights = base_state(model)  # the base; a ternary base's adapters go to a file of their own
+weights = base_state(model)  # a ternary base's adapters go to a file of their own
 try:
     save_gguf(gguf, weights, model.config, vocab, ternary, getattr(torch, dtype, dtype))
 except (OSError, ValueError) as e:
@@ -80,4 +82,5 @@ print(f"wrote {gguf}: {os.path.getsize(gguf) / 2**20:.1f} MiB")
 if lora and model.config.bitnet:
     path = gguf.removesuffix('.gguf') + '-lora.gguf'
     save_lora_gguf(path, adapter_state(model.layers), lora['lora_alpha'])
-    print(f"wrote {path}: the adapters (llama-cli -m BASE.gguf --lora {os.path.basename(path)})")
+    print(f"wrote {path}: the adapters "
+          f"(llama-cli -m BASE.gguf --lora {os.path.basename(path)})")

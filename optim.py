@@ -139,6 +139,12 @@ class ZClip:
     def adaptive(self):
         return len(self.norms) == self.warmup
 
+    def state_dict(self):
+        return dict(vars(self))
+
+    def load_state_dict(self, state):
+        vars(self).update(state)
+
     def target(self, g):
         """The norm to clip a finite norm g to (g itself when it is not a spike);
         updates the statistics. A non-finite norm must never reach it: its step is
@@ -230,6 +236,20 @@ def auto_batch_size(try_batch, start):
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()
     return 1
+
+
+def saved_bytes(fn):
+    """Run fn(); the bytes of the tensors its autograd graph kept for backward (each
+    storage once): a micro-step's activations, measured the same way on any device."""
+    storages = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())
 
 
 def fit_batch(try_batch, batch_size, accumulation, device):

@@ -20,6 +20,7 @@ import os
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ from model import ModelConfig, Transformer
 from objectives import ObjectiveManager, ce_loss, mask_token
 from optim import (SCHEDULES, ZClip, clip_gradients, drop_weight_decay, find_lr, fit_batch,
                    lr_factor, make_optimizers, optimizer_step, param_groups, remix,
-                   reset_moments, set_lr)
+                   reset_moments, saved_bytes, set_lr)
 from remote import Uploader, download_latest
 from rl import Rollouts
 from teachers import BaseTeacher, LocalTeacher, RemoteTeacher
@@ -149,7 +150,8 @@ if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
     dtype = 'bfloat16'
 compile = False
 grad_ckpt = False      # recompute each block's activations in backward: less memory
-auto_batch = False     # CUDA: the largest batch_size that fits, same global batch
+auto_batch = False     # the largest batch_size that fits, same global batch (CUDA; or
+auto_batch_gib = 0.0   # ... with at most this many GiB kept for backward, any device)
 seed = 1337
 peak_flops = 989e12    # for MFU: the accelerator's dense bf16 peak (H100 SXM)
 # -----------------------------------------------------------------------------
@@ -173,8 +175,14 @@ ranges = {'eval_interval': 'positive', 'eval_iters': 'positive', 'log_interval':
           'warmup_steps': 'non-negative', 'decay_frac': 'fraction',
           'weight_decay': 'non-negative', 'beta1': 'fraction', 'beta2': 'fraction',
           'grad_clip': 'non-negative', 'zclip_z': 'positive', 'nan_patience': 'positive',
-          'dtype': ('float32', 'bfloat16', 'float16'), 'peak_flops': 'positive'}
-config = configure(config, sys.argv[1:], ranges)  # config files, then --key=value
+          'dtype': ('float32', 'bfloat16', 'float16'), 'peak_flops': 'positive',
+          'auto_batch_gib': 'non-negative'}
+# --check: the settings resolved and checked, printed (with their ranges) for sweeps
+check = '--check' in sys.argv[1:]
+config = configure(config, [a for a in sys.argv[1:] if a != '--check'], ranges)
+if check:
+    print(repr({'settings': config, 'ranges': ranges}))
+    sys.exit()
 globals().update(config)
 try:  # zero-shot tasks are fetched (by one process a machine) and checked now
     if os.environ.get('LOCAL_RANK', '0') == '0':
@@ -193,7 +201,9 @@ if not os.access(out_dir, os.W_OK):
 if device.startswith('cuda') and not torch.cuda.is_available():
     sys.exit(f"error: device={device!r}, but this torch sees no CUDA GPU; set --device=cpu")
 
-# DDP: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE
+# DDP: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE. The set-up below finishes the
+# settings (each rank's GPU, its share of the accumulation steps, auto batch, the LR
+# finder) before anything takes them; from the optimizers on, they are final.
 ddp = 'RANK' in os.environ
 rank, local_rank, world_size = 0, 0, 1  # a single process is rank 0 of 1
 if ddp:
@@ -228,13 +238,6 @@ if device_type == 'cuda':  # TF32 tensor cores for what stays fp32, as nanoGPT
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
 torch.manual_seed(seed + rank)  # e.g. diffusion's masks (batches have seeds of their own)
-commit = checkpoint.git_commit()  # saved with every checkpoint
-if '://' in init_from:  # a storage URL: its newest complete checkpoint, then a resume
-    if local_rank == 0:
-        download_latest(init_from, out_dir)
-    if ddp:
-        dist.barrier()
-    init_from = 'resume'
 
 
 def located(src):
@@ -245,28 +248,60 @@ def located(src):
         sys.exit(f"error: cannot load {src!r}: {e}")
 
 
-# the model we start from and its tokenizer: the model's own (the tokenizer.json beside
-# its weights) unless one is named, which must encode as it does; a resume keeps its own
-start = None  # the directory the run starts from
-state = None  # the training state of the checkpoint we resume
-if init_from == 'resume':
+def load(src):
+    """The model of checkpoint src (checkpoint.load: with its LoRA adapters, not
+    packed), or the run ends in one line."""
     try:
-        start, state = checkpoint.resume(out_dir, master)
+        return checkpoint.load(src, packed=False)[1]
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        sys.exit(f"error: cannot load {src!r}: {e}")
+
+
+# the checkpoint we start from: a storage URL's newest complete one is downloaded to
+# out_dir and resumed; a resume reads its training state (`saved`)
+resume = init_from == 'resume' or '://' in init_from
+if '://' in init_from:
+    if local_rank == 0:
+        download_latest(init_from, out_dir)
+    if ddp:
+        dist.barrier()
+start = None  # the directory the run starts from
+saved = None  # the training state of the checkpoint we resume
+if resume:
+    try:
+        start, saved = checkpoint.resume(out_dir, master)
     except FileNotFoundError as e:
         sys.exit(f"error: {e}")
 elif init_from != 'scratch':
     start = located(init_from)
-base = state['base'] if state and lora_rank else start  # LoRA checkpoints: adapters only
-run_id = checkpoint.run_id(state)  # kept across resumes: the run's upload URL is its own
+base = saved['base'] if saved and lora_rank else start  # LoRA checkpoints: adapters only
+arch = ('n_layer', 'n_embd', 'n_head', 'n_kv_head', 'intermediate_size', 'act', 'bitnet')
+# what a resumed run cannot change (a setting newer than its checkpoint: as now)
+fixed = arch + ('moe', 'lrc_rank', 'lora_rank', 'lora_targets', 'tokenizer', 'optimizer',
+               'zero1', 'linear_norm', 'weight_scale')
+if saved:
+    was = config | saved['config']
+    changed = [f"{k}={was[k]!r} (now {config[k]!r})" for k in fixed if was[k] != config[k]]
+    if changed:
+        sys.exit(f"error: {start} was trained with {', '.join(changed)}; "
+                 "resume with the same settings or a new out_dir")
+    if len(saved['rng']) != world_size:
+        sys.exit(f"error: {start} was trained on {len(saved['rng'])} ranks; "
+                 "resume on as many")
+first_step = saved['step'] if saved else 0
+if stop_after and not first_step < stop_after < max_steps:
+    sys.exit(f"error: stop_after={stop_after} must lie after step {first_step}, "
+             f"below max_steps")
+run_id = checkpoint.run_id(saved)  # kept across resumes: the run's upload URL is its own
 uploader = Uploader(upload_to, run_id) if upload_to and master else None  # checked now
 
-
-# data: the offline corpus, or token shards data.py prepares once (local rank 0). A
-# resume sees the batches it would have seen (data.Batches).
-pairs = None
+# data: the tokenizer (the model's own unless one is named, which must encode as it does;
+# a resume keeps its own), then the offline corpus or token shards data.py prepares once
+# (local rank 0). A resume sees the batches it would have seen (data.Batches).
 try:
-    saved = state['tokenizer'] if state else ''
-    enc, tokenizer_name, tokenizer_file = run_tokenizer(start, saved, tokenizer)
+    own = checkpoint.tokenizer_of(start) if start else None
+    enc, tokenizer_name, tokenizer_file = run_tokenizer(
+        own, saved['tokenizer'] if saved else '', tokenizer)
     if (mixture and not dataset) or (remix_interval and not mixture):
         raise ValueError("mixture= needs dataset= (whose val split is evaluated); "
                          "remix_interval needs mixture=")
@@ -275,39 +310,22 @@ try:
         train_data, val_data = mixture or dataset, dataset
     else:
         train_data, val_data = offline_corpus(enc)
+    pairs = None
     if dpo_data:
         pairs = preference_pairs(dpo_data, enc, block_size, eos_id(enc))
-    batches = Batches(train_data, val_data, batch_size, block_size, rank, world_size,
-                      seed, pairs, device)
 except (OSError, ValueError, KeyError) as e:
     sys.exit(f"error: data: {e}")
 
 
-def load(path):
-    """A model from a directory that checkpoint.find gave."""
-    try:
-        return Transformer.from_pretrained(path)
-    except (OSError, ValueError, RuntimeError) as e:
-        sys.exit(f"error: cannot load {path!r}: {e}")
+def batches_of(size):
+    """The run's batches (data.Batches) at `size` sequences per micro-step."""
+    return Batches(train_data, val_data, size, block_size, rank, world_size, seed, pairs,
+                   device)
 
 
 # model: from scratch, from the last checkpoint, or from a Hugging Face directory
-step, best_val, best_step, bad_evals = 0, float('inf'), 0, 0
-arch = ('n_layer', 'n_embd', 'n_head', 'n_kv_head', 'intermediate_size', 'act', 'bitnet')
-# what a resumed run cannot change (a setting newer than its checkpoint: as now)
-fixed = arch + ('moe', 'lrc_rank', 'lora_rank', 'lora_targets', 'tokenizer', 'optimizer',
-               'zero1', 'linear_norm', 'weight_scale')
 if init_from != 'scratch':
-    model = load(base)
-    if state:
-        was = config | state['config']
-        changed = [f"{k}={was[k]!r} (now {config[k]!r})" for k in fixed
-                   if was[k] != config[k]]
-        if changed:
-            sys.exit(f"error: {start} was trained with {', '.join(changed)}; "
-                     "resume with the same settings or a new out_dir")
-        step, best_val, best_step = state['step'], state['best_val'], state['best_step']
-        bad_evals = state['bad_evals']
+    model = load(base).train()
     if enc.n_vocab > model.config.vocab_size:
         sys.exit(f"error: tokenizer {tokenizer_name!r} has {enc.n_vocab} tokens but the "
                  f"model only {model.config.vocab_size}; use the model's tokenizer")
@@ -327,16 +345,17 @@ try:  # model settings it cannot build are a one-line error
         model.upcycle(**moe)
 except (TypeError, ValueError) as e:
     sys.exit(f"error: model: {e}")
-if stop_after and not step < stop_after < max_steps:
-    sys.exit(f"error: stop_after={stop_after} must lie after step {step}, below max_steps")
 model.to(device)
 if bitnet and not model.config.bitnet and not lora_rank:  # SubLN calibrated on batches
-    model.to_bitnet(batches.calibration(subln_calib), linear_norm, weight_scale)
+    calibration = batches_of(batch_size).calibration(subln_calib)
+    model.to_bitnet(calibration, linear_norm, weight_scale)
 if lrc_rank and not model.config.lrc_rank:
     model.add_lrc(lrc_rank)  # the SVD of the (converted) weights' quantization residual
 if lora_rank:  # QLoRA: the base frozen (ternary: packed 2-bit), fp adapters
     model = attach_lora(model, lora_rank, lora_alpha, targets).to(device)
-model.grad_ckpt = grad_ckpt
+    if saved:  # the adapters, at their exact values
+        load_adapters(model.layers, start)
+model.checkpoint_activations(grad_ckpt)
 raw_model = model
 if master:
     kind = 'ternary' if raw_model.config.bitnet else 'fp'
@@ -349,7 +368,7 @@ if teacher.startswith(('http://', 'https://')):
     teacher_net = RemoteTeacher(teacher, teacher_model, top_k=teacher_top_k,
                                 vocab_size=raw_model.config.vocab_size)
 elif teacher:
-    teacher_net = LocalTeacher(load(located(teacher)), device, ptdtype)
+    teacher_net = LocalTeacher(load(teacher), device, ptdtype)
 elif lora_rank:  # the base itself: the student, adapters off (DPO's, GRPO's reference)
     teacher_net = BaseTeacher(raw_model, set_adapters)
 try:
@@ -364,40 +383,34 @@ rollouts = None
 if grpo_data:  # the prompts, read once; under FSDP all ranks sample until all are done
     try:
         rollouts = Rollouts(grpo_data, grpo_heldout, enc, raw_model.config.max_seq_len,
-                            batch_size, gradient_accumulation_steps, seed, rank, world_size,
-                            sync=fsdp, **rollout)
+                            seed, rank, world_size, sync=fsdp, **rollout)
     except (OSError, ValueError, TypeError) as e:
         sys.exit(f"error: grpo: {e}")
 
-# auto batch (CUDA): the largest micro-batch that fits, by trying; the same global batch
-if auto_batch and device_type != 'cuda':
-    print("auto_batch: nothing to do on CPU (no memory limit to probe)")
+# auto batch: the largest micro-batch that fits, by trying one forward and backward of
+# the run's own kind of batch; the same global batch, in more micro-steps
+if auto_batch and device_type != 'cuda' and not auto_batch_gib:
+    print("auto_batch: nothing to do on CPU (no memory limit to probe); "
+          "set auto_batch_gib")
 elif auto_batch:
 
     def try_batch(b):
-        x = torch.randint(enc.n_vocab, (b, block_size), device=device)
-        with ctx:
-            manager(raw_model, {'x': x, 'y': x}, 1.0)[0].backward()
+        """One micro-step of b sequences (GRPO: b prompts' completions); a memory error
+        when it does not fit."""
+        batch = rollouts.probe(b, device) if rollouts else batches_of(b).get(0, 0)
+
+        def micro_step():
+            with ctx:
+                manager(raw_model, batch, 1.0)[0].backward()
+        kept = saved_bytes(micro_step)
         raw_model.zero_grad(set_to_none=True)
+        if auto_batch_gib and kept > auto_batch_gib * 2**30:
+            raise torch.OutOfMemoryError(f"{kept / 2**30:.3f} GiB kept for backward")
     batch_size, gradient_accumulation_steps = fit_batch(
         try_batch, batch_size, gradient_accumulation_steps, device)
-    batches.B = batch_size
-    if batches.loader:  # it has read nothing yet (a resumed one is restored below)
-        batches.loader = batches.new_loader()
     print(f"auto_batch: batch_size={batch_size} x "
           f"{gradient_accumulation_steps} accumulation steps")
-
-# optimizers, the fp16 gradient scaler, ZClip, and everything a resumed run restores
-scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)
-
-
-def new_optimizers():
-    """AdamW, or Muon on the hidden matrices, each group at its own base LR."""
-    groups = param_groups(raw_model, learning_rate, weight_decay, embed_lr, head_lr,
-                          scalar_lr)
-    return make_optimizers(groups, optimizer, learning_rate, (beta1, beta2),
-                           zero1 and ddp)
-
+batches = batches_of(batch_size)
 
 if fsdp:  # each block gathered for its forward and backward, then freed (fp32 on CPU)
     # imported here, not at the top: it takes seconds, which every run would pay
@@ -410,31 +423,11 @@ if fsdp:  # each block gathered for its forward and backward, then freed (fp32 o
     for block in raw_model.layers:
         fully_shard(block, mp_policy=policy)
     fully_shard(raw_model, mp_policy=policy)
-optimizers = new_optimizers()
-zclipper = ZClip(zclip_z, max_norm=grad_clip) if zclip else None
-if state is not None:
-    if lora_rank:  # the adapters, at their exact values
-        load_adapters(raw_model.layers, start)
-    checkpoint.load_optimizer_states(raw_model, optimizers, state['optimizers'], fsdp)
-    scaler.load_state_dict(state['scaler'])
-    if zclipper:
-        vars(zclipper).update(state['zclip'])
-    if len(state['rng']) != world_size:
-        sys.exit(f"error: {start} was trained on {len(state['rng'])} ranks; "
-                 "resume on as many")
-    mine = state['rng'][rank]
-    checkpoint.set_rng_state(mine, device_type)  # e.g. the masks of masked diffusion
-    if rollouts:  # GRPO's completions, when a resume falls between two samplings
-        rollouts.load_state_dict(mine['rollouts'])
-    if batches.loader:
-        batches.loader.load_state_dict(mine['data'])
-    if master:
-        print(f"resumed from {start} at step {step}: weights, optimizer, schedule, RNG "
-              f"and data position restored (best val {best_val:.4f} at step {best_step})")
 if compile:
     model = torch.compile(model)
 if ddp and not fsdp:
     model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
+scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)  # fp16
 
 
 def all_mean(x):
@@ -450,27 +443,121 @@ def micro_steps(step, b):
     loss_sum, metrics = torch.zeros((), device=device), {}
     samples = [{}] * gradient_accumulation_steps
     if rollouts:  # GRPO: the step's completions, sampled by the model as it is now
-        samples, metrics = rollouts.step(raw_model, step)
+        samples, metrics = rollouts.step(raw_model, step, batch_size,
+                                         gradient_accumulation_steps)
     for micro in range(gradient_accumulation_steps):
         b = b | samples[micro]
-        if ddp:  # all-reduce (FSDP: reduce-scatter) the gradients once, after the last
-            sync = micro == gradient_accumulation_steps - 1
-            if fsdp:
-                raw_model.set_requires_gradient_sync(sync)
-            else:
-                model.require_backward_grad_sync = sync
-        with ctx:
-            loss, parts = manager(model, b, step / max_steps)
-        if micro + 1 < gradient_accumulation_steps:  # the next batch while the GPU works
-            b = batches.get(step, micro + 1)
-        loss_sum += loss.detach()
-        for k, v in parts.items():  # the mean over micro-steps, like the loss
-            metrics[k] = metrics.get(k, 0.0) + v / gradient_accumulation_steps
-        # the gradients add up to those of the mean loss
-        scaler.scale(loss / gradient_accumulation_steps).backward()
+        last = micro == gradient_accumulation_steps - 1
+        sync = nullcontext()  # DDP: all-reduce (FSDP: reduce-scatter) after the last only
+        if fsdp:
+            raw_model.set_requires_gradient_sync(last)
+        elif ddp and not last:
+            sync = model.no_sync()
+        with sync:
+            with ctx:
+                loss, parts = manager(model, b, step / max_steps)
+            if not last:  # the next batch while the GPU works
+                b = batches.get(step, micro + 1)
+            loss_sum += loss.detach()
+            for k, v in parts.items():  # the mean over micro-steps, like the loss
+                metrics[k] = metrics.get(k, 0.0) + v / gradient_accumulation_steps
+            # the gradients add up to those of the mean loss
+            scaler.scale(loss / gradient_accumulation_steps).backward()
     return loss_sum / gradient_accumulation_steps, metrics
 
 
+def new_optimizers(lr):
+    """AdamW, or Muon on the hidden matrices, each group at its own base LR (the hidden
+    matrices' at lr)."""
+    groups = param_groups(raw_model, lr, weight_decay, embed_lr, head_lr, scalar_lr)
+    return make_optimizers(groups, optimizer, lr, (beta1, beta2), zero1 and ddp)
+
+
+if lr_find and not resume:  # throwaway optimizers; the model is put back afterwards
+    probe = new_optimizers(learning_rate)
+
+    def lr_probe(i, lr):
+        """One optimizer step at LR lr on step i's batches; its loss."""
+        set_lr(probe, lr / learning_rate)
+        loss, _ = micro_steps(0, batches.get(i, 0))
+        optimizer_step(probe, scaler)
+        return all_mean(loss).item()
+    found = find_lr(lr_probe, out_dir, raw_model, verbose=master)
+    min_lr = min_lr * found / learning_rate
+    learning_rate = found
+
+
+# everything a checkpoint saves and a resume restores, in one object
+@dataclass
+class TrainState:
+    """Everything a checkpoint saves and a resume restores, in one object: the objects
+    whose state travels with a run (the model, its optimizers, the fp16 gradient scaler,
+    ZClip, the token shards' loader, GRPO's rollouts), what the run is (its settings,
+    tokenizer, base model, id, code commit) and where it stands (step, the best val loss
+    and its step, evals since an improvement). Built once, after the set-up; the loop
+    moves it on, save_checkpoint writes it."""
+    model: torch.nn.Module
+    optimizers: list
+    scaler: torch.amp.GradScaler
+    zclip: object = None     # optim.ZClip, or None
+    loader: object = None    # data.Loader, or None (the offline corpus: no position)
+    rollouts: object = None  # rl.Rollouts, or None
+    config: dict = field(default_factory=dict)
+    tokenizer: str = 'bytes'
+    base: str = None         # a LoRA run's frozen base model
+    run_id: str = ''
+    commit: str = ''
+    step: int = 0
+    best_val: float = math.inf
+    best_step: int = 0
+    bad_evals: int = 0
+
+    def rank_state(self, device_type, data_state):
+        """What each rank keeps of its own: its RNG, its data position (`data_state`,
+        the loader's as it was before the step's next batch was drawn), its rollouts."""
+        mine = checkpoint.rng_state(device_type) | {'data': data_state}
+        if self.rollouts:
+            mine['rollouts'] = self.rollouts.state_dict()
+        return mine
+
+    def state_dict(self, optimizers, ranks):
+        """train_state.pt's content: the whole optimizer state (optimizer_states) and
+        every rank's rank_state, as rank 0 gathered them."""
+        return dict(step=self.step, best_val=self.best_val, best_step=self.best_step,
+                    bad_evals=self.bad_evals, base=self.base, optimizers=optimizers,
+                    scaler=self.scaler.state_dict(), rng=ranks, config=self.config,
+                    commit=self.commit, tokenizer=self.tokenizer, run_id=self.run_id,
+                    zclip=self.zclip.state_dict() if self.zclip else None)
+
+    def restore(self, saved, rank, device_type, fsdp=False):
+        """A resumed checkpoint's state (train_state.pt) back into place, on this rank:
+        the optimizers, scaler and ZClip, this rank's RNG, data position and rollouts,
+        and where the run stood."""
+        optimizers = saved['optimizers']
+        checkpoint.load_optimizer_states(self.model, self.optimizers, optimizers, fsdp)
+        self.scaler.load_state_dict(saved['scaler'])
+        if self.zclip:
+            self.zclip.load_state_dict(saved['zclip'])
+        mine = saved['rng'][rank]
+        checkpoint.set_rng_state(mine, device_type)  # e.g. the masks of masked diffusion
+        if self.rollouts:  # GRPO's completions, when a resume falls between two samplings
+            self.rollouts.load_state_dict(mine['rollouts'])
+        if self.loader:
+            self.loader.load_state_dict(mine['data'])
+        self.step, self.best_val = saved['step'], saved['best_val']
+        self.best_step, self.bad_evals = saved['best_step'], saved['bad_evals']
+
+
+run = TrainState(
+    raw_model, new_optimizers(learning_rate), scaler,
+    ZClip(zclip_z, max_norm=grad_clip) if zclip else None, batches.loader, rollouts,
+    config, tokenizer_name, base, run_id, checkpoint.git_commit())
+if saved:
+    run.restore(saved, rank, device_type, fsdp)
+    if master:
+        print(f"resumed from {start} at step {run.step}: weights, optimizer, schedule, "
+              f"RNG and data position restored (best val {run.best_val:.4f} at step "
+              f"{run.best_step})")
 val_bytes = token_bytes(enc, raw_model.config.vocab_size).to(device)  # each token's bytes
 
 
@@ -492,35 +579,28 @@ def batch_ce(m, b):
         return ce_loss(m(b['x'].to(device)), b['y'].to(device))
 
 
-def save_checkpoint(step, data_state):
+def save_checkpoint(run, data_state):
     """Rank 0 gathers every rank's RNG state and data position (and the shards of FSDP
     and ZeRO-1), then writes the checkpoint (checkpoint.save: atomic, with a manifest);
     every rank stops if that fails."""
-    mine = checkpoint.rng_state(device_type) | {'data': data_state}
-    if rollouts:
-        mine['rollouts'] = rollouts.state_dict()
-    rngs = [mine] * world_size
+    mine = run.rank_state(device_type, data_state)
+    ranks = [mine] * world_size
     if ddp:
-        dist.all_gather_object(rngs, mine)
-    weights = checkpoint.model_state(raw_model, fsdp)
-    opts = checkpoint.optimizer_states(raw_model, optimizers, fsdp, zero1 and ddp,
+        dist.all_gather_object(ranks, mine)
+    weights = checkpoint.model_state(run.model, fsdp)
+    opts = checkpoint.optimizer_states(run.model, run.optimizers, fsdp, zero1 and ddp,
                                        master)
     failed = [None]
     if master:
-        zclip_state = vars(zclipper) if zclipper else None
-        state = dict(step=step, best_val=best_val, best_step=best_step,
-                     bad_evals=bad_evals, base=base, optimizers=opts,
-                     scaler=scaler.state_dict(), rng=rngs, config=config, commit=commit,
-                     zclip=zclip_state, tokenizer=tokenizer_name, run_id=run_id)
         # the Hugging Face directory; with LoRA, the adapters alone (PEFT's layout)
-        write = functools.partial(raw_model.save_pretrained, state_dict=weights)
+        write = functools.partial(run.model.save_pretrained, state_dict=weights)
         if lora_rank:
-            write = functools.partial(save_adapters, raw_model.layers, rank=lora_rank,
-                                      alpha=lora_alpha, targets=targets, base=base)
-        failed[0] = checkpoint.save(out_dir, step, write, state, tokenizer_file,
-                                    keep_last, best_step)
+            write = functools.partial(save_adapters, run.model.layers, rank=lora_rank,
+                                      alpha=lora_alpha, targets=targets, base=run.base)
+        failed[0] = checkpoint.save(out_dir, run.step, write, run.state_dict(opts, ranks),
+                                    tokenizer_file, keep_last, run.best_step)
         if uploader and not failed[0]:
-            uploader.submit(out_dir, step, best_step)
+            uploader.submit(out_dir, run.step, run.best_step)
     if ddp:  # every rank learns whether rank 0 failed: none waits in a collective
         dist.broadcast_object_list(failed, src=0)
     if failed[0]:
@@ -529,19 +609,11 @@ def save_checkpoint(step, data_state):
         sys.exit(f"error: {failed[0]}" if master else 1)
 
 
-if lr_find and state is None:  # throwaway optimizers; the model is put back afterwards
-    probe = new_optimizers()
+def new_phase(s):
+    """Whether step s trains other objectives than step s - 1: known from the step alone,
+    so a resumed chunk does at a switch what a straight run does."""
+    return s > 0 and manager.active(s / max_steps) != manager.active((s - 1) / max_steps)
 
-    def lr_probe(i, lr):
-        """One optimizer step at LR lr on step i's batches; its loss."""
-        set_lr(probe, lr / learning_rate)
-        loss, _ = micro_steps(0, batches.get(i, 0))
-        optimizer_step(probe, scaler)
-        return all_mean(loss).item()
-    found = find_lr(lr_probe, out_dir, raw_model, verbose=master)
-    min_lr = min_lr * found / learning_rate
-    learning_rate = found
-    optimizers = new_optimizers()
 
 # the training loop
 wandb = None
@@ -553,47 +625,42 @@ if wandb_log and master:
     wandb.init(project=wandb_project, config=config)
 tokens_per_step = gradient_accumulation_steps * world_size * batch_size * block_size
 log_path = os.path.join(out_dir, 'log.jsonl')
-if master and state is not None:
-    checkpoint.truncate_log(log_path, step)
+if master and saved:
+    checkpoint.truncate_log(log_path, run.step)
 log = open(log_path, 'a') if master else None
 if master:
     print(f"tokens per optimizer step: {tokens_per_step:,} ({world_size} ranks); "
-          f"commit {commit[:10] or 'unknown'}")
-start_step = step_last = step
+          f"commit {run.commit[:10] or 'unknown'}")
+start_step = step_last = run.step
 t_start = t_last = time.time()
-tokens_seen, nan_run = step * tokens_per_step, 0
+tokens_seen, nan_run = run.step * tokens_per_step, 0
 data_state = batches.loader.state_dict() if batches.loader else None
-b = batches.get(step, 0)
-def new_phase(s):
-    """Whether step s trains other objectives than step s - 1: known from the step alone,
-    so a resumed chunk does at a switch what a straight run does."""
-    return s > 0 and manager.active(s / max_steps) != manager.active((s - 1) / max_steps)
-
-
-while step < (stop_after or max_steps):
+b = batches.get(run.step, 0)
+while run.step < (stop_after or max_steps):
+    step = run.step
     floor = min_lr / learning_rate
     factor = lr_factor(step, max_steps, warmup_steps, schedule, floor, decay_frac)
     rewarm = range(warmup_steps) if phase_reset else ()
     since = next((k for k in rewarm if new_phase(step - k)), None)
     if since is not None:  # the steps since the curriculum's last switch, warming up
         factor *= (since + 1) / warmup_steps
-    lrs = set_lr(optimizers, factor)
+    lrs = set_lr(run.optimizers, factor)
     if schedule == 'two_stage' and step >= max_steps // 2:  # BitNet b1.58's second stage
-        drop_weight_decay(optimizers)
+        drop_weight_decay(run.optimizers)
     if lambda_warmup:
         set_lambda(raw_model, min(1.0, step / (lambda_warmup * max_steps)))
     if phase_reset and new_phase(step):
-        reset_moments(optimizers)
+        reset_moments(run.optimizers)
     train_loss, metrics = micro_steps(step, b)
-    grad_norm, zclipped = clip_gradients(model, optimizers, scaler, grad_clip, zclipper)
+    grad_norm, zclipped = clip_gradients(model, run.optimizers, scaler, grad_clip, run.zclip)
     skipped = not math.isfinite(grad_norm.item())
     # a NaN/Inf loss or gradient (fp16 overflow, a bad batch): skip the step, or stop
     nan_run = nan_run + 1 if skipped else 0
     if nan_run >= nan_patience:
         sys.exit(f"error: {nan_run} non-finite steps in a row at step {step}; "
                  "lower the learning rate or check the data")
-    optimizer_step(optimizers, scaler, skipped)
-    step += 1
+    optimizer_step(run.optimizers, scaler, skipped)
+    run.step = step = step + 1
     tokens_seen += tokens_per_step
     mix = {}
     if remix_interval and step % remix_interval == 0:  # before the next batch is drawn
@@ -616,12 +683,12 @@ while step < (stop_after or max_steps):
             with ctx:
                 rec['zero_shot'] = zero_shot(raw_model, enc, eval_tasks,
                                              raw_model.config.max_seq_len, device=device)
-        improved = rec['val_loss'] < best_val - min_delta
+        improved = rec['val_loss'] < run.best_val - min_delta
         if improved:
-            best_val, best_step, bad_evals = rec['val_loss'], step, 0
+            run.best_val, run.best_step, run.bad_evals = rec['val_loss'], step, 0
         else:
-            bad_evals += 1
-            stop = rec['early_stop'] = bool(patience) and bad_evals >= patience
+            run.bad_evals += 1
+            stop = rec['early_stop'] = bool(patience) and run.bad_evals >= patience
 
     # log: one JSON line per logged step, and a line on the console
     if step % log_interval == 0 or rec or skipped or zclipped or mix:
@@ -657,11 +724,11 @@ while step < (stop_after or max_steps):
 
     # checkpoint: on a better val loss, at the end, at an early stop, every ckpt_interval
     if improved or last or stop or (ckpt_interval and step % ckpt_interval == 0):
-        save_checkpoint(step, data_state)
+        save_checkpoint(run, data_state)
     if stop:
         if master:
             print(f"early stop: no val improvement above {min_delta} in {patience} "
-                  f"evals (best {best_val:.4f} at step {best_step})")
+                  f"evals (best {run.best_val:.4f} at step {run.best_step})")
         break
 
 if (master or fsdp) and sample_tokens:

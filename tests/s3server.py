@@ -14,13 +14,16 @@ import time
 
 class Proxy:
     """Forwards 127.0.0.1:port to a target port; cut() drops every connection and refuses new
-    ones until restore(); rate (bytes/s, both ways) throttles when set."""
+    ones until restore(); throttle(rate) limits it to rate bytes/s, both ways."""
 
     def __init__(self, target):
         self.target, self.up, self.rate, self.open = target, True, None, set()
         self.listener = socket.create_server(('127.0.0.1', 0))
         self.port = self.listener.getsockname()[1]
         threading.Thread(target=self.accept, daemon=True).start()
+
+    def throttle(self, rate):
+        self.rate = rate
 
     def accept(self):
         while True:
