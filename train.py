@@ -393,6 +393,7 @@ if auto_batch and device_type != 'cuda' and not auto_batch_gib:
     print("auto_batch: nothing to do on CPU (no memory limit to probe); "
           "set auto_batch_gib")
 elif auto_batch:
+    kept = {}  # GiB a micro-step of b sequences keeps for backward
 
     def try_batch(b):
         """One micro-step of b sequences (GRPO: b prompts' completions); a memory error
@@ -402,14 +403,15 @@ elif auto_batch:
         def micro_step():
             with ctx:
                 manager(raw_model, batch, 1.0)[0].backward()
-        kept = saved_bytes(micro_step)
+        kept[b] = saved_bytes(micro_step) / 2**30
         raw_model.zero_grad(set_to_none=True)
-        if auto_batch_gib and kept > auto_batch_gib * 2**30:
-            raise torch.OutOfMemoryError(f"{kept / 2**30:.3f} GiB kept for backward")
+        if auto_batch_gib and kept[b] > auto_batch_gib:
+            raise torch.OutOfMemoryError(f"{kept[b]:.4f} GiB kept for backward")
     batch_size, gradient_accumulation_steps = fit_batch(
         try_batch, batch_size, gradient_accumulation_steps, device)
-    print(f"auto_batch: batch_size={batch_size} x "
-          f"{gradient_accumulation_steps} accumulation steps")
+    if master:
+        print(f"auto_batch: batch_size={batch_size} x {gradient_accumulation_steps} "
+              f"accumulation steps ({kept.get(batch_size, 0):.6f} GiB kept for backward)")
 batches = batches_of(batch_size)
 
 if fsdp:  # each block gathered for its forward and backward, then freed (fp32 on CPU)

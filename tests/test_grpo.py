@@ -329,3 +329,20 @@ def test_two_ranks_give_the_loss_of_one_on_the_same_global_batch(tmp_path):
         assert a['completion_len'] == b['completion_len']
     # the same weights after the last step: the same greedy completions of the held-out prompts
     assert one[-1]['heldout_vowels'] == two[-1]['heldout_vowels']
+
+
+def test_auto_batch_under_a_memory_limit_splits_a_grpo_step_and_keeps_its_losses(tmp_path):
+    """auto_batch tries the largest completions GRPO can sample (its probe batch): under a limit
+    it takes fewer prompts per micro-step in more micro-steps, and samples and trains exactly as
+    the run set to that split by hand."""
+    from test_train import auto_batch_runs
+
+    data = prompt_file(tmp_path)
+    args = ['tests/rewards.py', *TINY, f'--grpo_data={data}', '--grpo_heldout=', '--batch_size=8',
+            '--gradient_accumulation_steps=1', '--max_steps=2', '--eval_interval=2',
+            "--rollout={'group': 4, 'max_new_tokens': 12, 'rewards': ['vowels']}"]
+    chosen, auto, plain = auto_batch_runs(args, tmp_path)
+    assert len(auto) == len(plain) == 2
+    for a, b in zip(auto, plain):
+        assert a['loss'] == b['loss'] and a['reward_vowels'] == b['reward_vowels'], (a, b)
+        assert a['completion_len'] == b['completion_len'] and a['grad_norm'] == b['grad_norm']

@@ -251,3 +251,36 @@ def test_a_new_phase_starts_the_optimizer_moments_afresh_in_a_straight_and_a_res
     assert losses[carried][:4] == losses[straight][:4] and losses[carried][4:] != losses[straight][4:]
     ratios = [a['lr_hidden'] / b['lr_hidden'] for a, b in zip(recs[straight], recs[carried])]
     assert ratios == [1, 1, 1, 0.5, 1, 1]
+
+
+def auto_batch_runs(args, out):
+    """A run at batch_size 8 x 1 with auto_batch under a limit of 40% of what 8 sequences keep
+    for backward, and the run at the micro-batch it chose without auto_batch: (chosen, their
+    logs)."""
+    r = run([*args, f'--out_dir={out}/probe', '--max_steps=1', '--auto_batch=True', '--auto_batch_gib=1000'])
+    assert r.returncode == 0 and 'auto_batch: batch_size=8 x 1' in r.stdout, r.stderr
+    whole = float(r.stdout.split('auto_batch: ')[1].split('(')[1].split(' GiB')[0])
+    r = run([*args, f'--out_dir={out}/auto', '--auto_batch=True', f'--auto_batch_gib={0.4 * whole}'])
+    assert r.returncode == 0, r.stderr
+    chosen = int(r.stdout.split('auto_batch: batch_size=')[1].split(' ')[0])
+    assert chosen < 8 and f'batch_size={chosen} x {8 // chosen} ' in r.stdout
+    r = run([*args, f'--out_dir={out}/plain', f'--batch_size={chosen}', f'--gradient_accumulation_steps={8 // chosen}'])
+    assert r.returncode == 0, r.stderr
+    return chosen, log(f'{out}/auto'), log(f'{out}/plain')
+
+
+def test_auto_batch_under_a_memory_limit_splits_a_dpo_step_and_keeps_its_losses(tmp_path):
+    """auto_batch_gib bounds what a micro-step keeps for backward on any device: here DPO (CE +
+    DPO on preference pairs, the model its own reference) gets a smaller micro-batch and more
+    accumulation steps, and the same losses as the run set to that split by hand."""
+    from model import ModelConfig, Transformer
+    base = str(tmp_path / 'base')
+    Transformer(ModelConfig(vocab_size=320, n_layer=1, n_embd=32, n_head=2, n_kv_head=1, intermediate_size=64,
+                            max_seq_len=128)).save_pretrained(base)
+    args = [*TINY, 'config/dpo.py', '--block_size=128', f'--init_from={base}', f'--teacher={base}', '--bitnet=False',
+            '--batch_size=8', '--gradient_accumulation_steps=1', '--max_steps=3', '--eval_interval=3']
+    chosen, auto, plain = auto_batch_runs(args, tmp_path)
+    assert len(auto) == len(plain) == 3
+    for a, b in zip(auto, plain):
+        assert a['loss'] == b['loss'] and a['loss_dpo'] == b['loss_dpo'], (a, b)
+    assert auto[-1]['val_loss'] == plain[-1]['val_loss']
