@@ -536,17 +536,18 @@ class ObjectiveManager:
         if unknown:
             raise ValueError(f"unknown objective {sorted(unknown)}; "
                              f"choose from {sorted(OBJECTIVES)}")
-        if 'diffusion' in settings:
-            settings['diffusion'].setdefault('mask_id', mask_id)
+        kwargs = {name: dict(kw) for name, kw in settings.items()}  # the run's stay as set
+        if 'diffusion' in kwargs:
+            kwargs['diffusion'].setdefault('mask_id', mask_id)
         experts, top_k = student.config.n_experts, student.config.top_k
-        if experts and 'router' not in settings:  # an MoE's router losses, at weight 1
-            settings = settings | {'router': {}}
+        if experts and 'router' not in kwargs:  # an MoE's router losses, at weight 1
+            kwargs['router'] = {}
             phases = [(end, {'router': 1.0} | w) for end, w in phases]
-        if 'router' in settings and not experts:
+        if 'router' in kwargs and not experts:
             raise ValueError("objective 'router' needs a mixture of experts: n_experts > 0")
-        if 'router' in settings:
-            settings['router'].setdefault('top_k', top_k)
-        losses = {n: OBJECTIVES[n](**kw) for n, kw in settings.items()}
+        if 'router' in kwargs:
+            kwargs['router'].setdefault('top_k', top_k)
+        losses = {n: OBJECTIVES[n](**kw) for n, kw in kwargs.items()}
         curriculum = CurriculumScheduler(phases, blend)
         return cls(losses, curriculum, teacher, student.config.n_layer)
 

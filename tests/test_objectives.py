@@ -368,3 +368,16 @@ def test_preference_pairs_by_hand_empty_prompt_and_too_long_prompt(tmp_path):
     path.write_text(json.dumps({'prompt': 'a' * 20, 'chosen': 'b', 'rejected': 'c'}))
     with pytest.raises(ValueError, match=r'line 1: a prompt of 21 tokens leaves no room for an answer in block_size=8'):
         preference_pairs(str(path), enc, 8, eos)
+
+
+def test_the_manager_leaves_the_runs_settings_as_they_were():
+    """The settings are saved with every checkpoint: what the manager fills in (diffusion's
+    mask token, the router's top_k) goes to the objectives, not into the run's dict."""
+    from objectives import ObjectiveManager
+    student = Transformer(ModelConfig(vocab_size=64, n_layer=1, n_embd=32, n_head=2, n_kv_head=1,
+                                      intermediate_size=64, n_experts=4, top_k=2))
+    settings = {'ce': {}, 'diffusion': {}}
+    manager = ObjectiveManager.from_settings(settings, [(1.0, {'ce': 1.0, 'diffusion': 1.0})], 'switch',
+                                             None, student, mask_id=63)
+    assert settings == {'ce': {}, 'diffusion': {}}
+    assert manager.objectives['diffusion'].mask_id == 63 and manager.objectives['router'].top_k == 2

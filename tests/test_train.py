@@ -284,3 +284,17 @@ def test_auto_batch_under_a_memory_limit_splits_a_dpo_step_and_keeps_its_losses(
     for a, b in zip(auto, plain):
         assert a['loss'] == b['loss'] and a['loss_dpo'] == b['loss_dpo'], (a, b)
     assert auto[-1]['val_loss'] == plain[-1]['val_loss']
+
+
+def test_check_prints_the_resolved_settings_and_starts_nothing(tmp_path):
+    """--check: the settings as a run would take them (config file, then --key=value) and their
+    ranges, printed as one Python literal; no folder made, no model built. A bad one is one line."""
+    import ast
+    out = tmp_path / 'never'
+    r = run(['--check', 'config/tiny_fp.py', '--max_steps=7', f'--out_dir={out}'])
+    assert r.returncode == 0, r.stderr
+    printed = ast.literal_eval(r.stdout.strip())
+    assert printed['settings']['bitnet'] is False and printed['settings']['max_steps'] == 7
+    assert printed['ranges']['max_steps'] == 'positive' and not out.exists()
+    r = run(['--check', '--max_steps=0'])
+    assert r.returncode == 1 and r.stderr.strip().count('\n') == 0 and 'max_steps' in r.stderr
