@@ -473,3 +473,15 @@ def test_row_scaled_function_is_bit_identical_to_its_reference_and_packs_bit_exa
         for impl in [i for i in ('torch', 'cpp') if i in kernels.IMPLS]:  # the integer kernels, bit-exact
             y = kernels.ternary_linear(x, packed.weight, packed.weight_scale, impl) + packed.bias
             assert torch.equal(y, y1), impl
+
+
+def test_use_reference_runs_the_definition_and_back():
+    """BitLinear.use_reference: forward is `reference` itself (what bench.py compares the int8
+    Function with), and the int8 path again after use_reference(False)."""
+    torch.manual_seed(0)
+    layer, x = BitLinear(64, 32), torch.randn(5, 64, requires_grad=True)
+    layer.use_reference(True)
+    y = layer(x)
+    assert torch.equal(y, layer.reference(x)) and y.grad_fn.name() != 'BitLinearFunctionBackward'
+    layer.use_reference(False)
+    assert layer(x).grad_fn.name() == 'BitLinearFunctionBackward'
