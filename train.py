@@ -299,7 +299,7 @@ uploader = Uploader(upload_to, run_id) if upload_to and master else None  # chec
 # a resume keeps its own), then the offline corpus or token shards data.py prepares once
 # (local rank 0). A resume sees the batches it would have seen (data.Batches).
 try:
-    own = checkpoint.tokenizer_of(start) if start else None
+    own = checkpoint.tokenizer_of(start) if start and not saved else None
     enc, tokenizer_name, tokenizer_file = run_tokenizer(
         own, saved['tokenizer'] if saved else '', tokenizer)
     if (mixture and not dataset) or (remix_interval and not mixture):
