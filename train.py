@@ -475,7 +475,9 @@ def new_optimizers(lr):
     return make_optimizers(groups, optimizer, lr, (beta1, beta2), zero1 and ddp)
 
 
-if lr_find and not resume:  # throwaway optimizers; the model is put back afterwards
+if lr_find and resume:  # the LR the range test found when the run began (saved below)
+    learning_rate, min_lr = saved['config']['learning_rate'], saved['config']['min_lr']
+elif lr_find:  # throwaway optimizers; the model is put back afterwards
     probe = new_optimizers(learning_rate)
 
     def lr_probe(i, lr):
@@ -487,6 +489,7 @@ if lr_find and not resume:  # throwaway optimizers; the model is put back afterw
     found = find_lr(lr_probe, out_dir, raw_model, verbose=master)
     min_lr = min_lr * found / learning_rate
     learning_rate = found
+    config |= dict(learning_rate=learning_rate, min_lr=min_lr)  # saved with the settings
 
 
 # everything a checkpoint saves and a resume restores, in one object

@@ -430,6 +430,23 @@ def test_lr_finder_writes_a_curve_and_trains(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_resumed_lr_finder_run_keeps_the_lr_it_found(tmp_path):
+    """The found LR is saved with the settings: a run resumed with lr_find=True trains at it (no
+    second range test), as a straight run set to that LR by hand does."""
+    args = ['--max_steps=4', '--warmup_steps=1', '--eval_interval=2', '--log_interval=1', '--sample_tokens=0']
+    out = str(tmp_path / 'found')
+    assert run([*args, '--lr_find=True', '--stop_after=2', f'--out_dir={out}']).returncode == 0
+    saved = torch.load(os.path.join(out, 'ckpt_0000002', 'train_state.pt'), weights_only=True)['config']
+    r = run([*args, '--lr_find=True', '--init_from=resume', f'--out_dir={out}'])
+    assert r.returncode == 0 and 'lr_find: suggested' not in r.stdout, r.stderr
+    by_hand = str(tmp_path / 'by_hand')
+    r = run([*args, f"--learning_rate={saved['learning_rate']!r}", f"--min_lr={saved['min_lr']!r}", f'--out_dir={by_hand}'])
+    assert r.returncode == 0, r.stderr
+    assert saved['learning_rate'] != 3e-3
+    assert [rec['lr_hidden'] for rec in log(out)[-2:]] == [rec['lr_hidden'] for rec in log(by_hand)[-2:]]
+
+
+@pytest.mark.slow
 def test_fsdp_matches_one_process_resumes_exactly_and_opens_in_transformers(tmp_path, teacher_dir):
     """FSDP2 (fully_shard per block, then the model) on 2 gloo ranks against one process with the same
     global batch: the same losses to 1e-5 relative, plain and with a local teacher (KD + attention
