@@ -8,10 +8,13 @@ offline corpus, on the CPU, in a few minutes:
     torchrun --nproc_per_node=2 train.py             # DDP: gloo on CPU, nccl on CUDA
     torchrun --nproc_per_node=2 train.py --fsdp=True # FSDP2: weights, grads, AdamW split
     python train.py config/lora.py                   # LoRA on a frozen, packed model
+    python train.py config/smollm.py --check         # the settings resolved, then exit
 
 The script reads top to bottom like nanoGPT's: settings, DDP, data, model, objectives,
-optimizer, the loop. The pieces live in the files it imports (objectives.py: losses;
-optim.py: optimizers; data.py: batches; checkpoint.py: checkpoints).
+auto batch, optimizer, the run's state (TrainState: all a checkpoint saves), the loop. The
+set-up finishes every setting before anything takes it. The pieces live in the files it
+imports (objectives.py: losses; optim.py: optimizers; data.py: batches; checkpoint.py:
+checkpoints).
 """
 import functools
 import json
