@@ -154,7 +154,11 @@ def load(src, device='cpu', packed=True, tokenizer=''):
     model is frozen to 2-bit weights when `packed`. The tokenizer is `tokenizer` if given,
     else the checkpoint's own (tokenizer_of), else 'bytes'. Raises OSError, ValueError,
     RuntimeError or KeyError saying what is wrong."""
-    ckpt = find(src)
+    return open_found(find(src), device, packed, tokenizer)
+
+
+def open_found(ckpt, device='cpu', packed=True, tokenizer=''):
+    """load() for a directory that find (or resume) already gave and verified."""
     lora = read_config(ckpt)  # a LoRA checkpoint holds the adapters alone
     base = lora['base_model_name_or_path'] if lora else ckpt
     model = Transformer.from_pretrained(base).to(device).eval()

@@ -251,10 +251,13 @@ def located(src):
         sys.exit(f"error: cannot load {src!r}: {e}")
 
 
-def load(src):
-    """The model of checkpoint src (checkpoint.load: with its LoRA adapters, not
-    packed), or the run ends in one line."""
+def load(src, found=False):
+    """The model of checkpoint src (checkpoint.load: with its LoRA adapters, not packed;
+    a directory that find or resume already verified is not verified again), or the run
+    ends in one line."""
     try:
+        if found:
+            return checkpoint.open_found(src, packed=False)[1]
         return checkpoint.load(src, packed=False)[1]
     except (OSError, ValueError, RuntimeError, KeyError) as e:
         sys.exit(f"error: cannot load {src!r}: {e}")
@@ -328,7 +331,7 @@ def batches_of(size):
 
 # model: from scratch, from the last checkpoint, or from a Hugging Face directory
 if init_from != 'scratch':
-    model = load(base).train()
+    model = load(base, found=True).train()
     if enc.n_vocab > model.config.vocab_size:
         sys.exit(f"error: tokenizer {tokenizer_name!r} has {enc.n_vocab} tokens but the "
                  f"model only {model.config.vocab_size}; use the model's tokenizer")
