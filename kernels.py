@@ -38,6 +38,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 # ---------------------------------------------------------------- packing
 # HF layout, transformers' offline BitNet format (export/import): W_q (N, K) -> uint8
@@ -396,16 +397,23 @@ def linear_cpp(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.T
 
 
 # ---------------------------------------------------------------- 4. CUDA kernel
-# Decode (up to 16 tokens) is a GEMV of a few microseconds: a dozen small torch ops
-# around it (absmax, scale, round, cast, pad, rescale) would cost ten times more. So the
-# whole op is two kernels. quantize_rows: one block per token finds absmax, then writes
-# the int8 row, padded with zeros to the packed K. ternary_gemv: one warp per weight row,
-# each lane loading 16 bytes (64 weights) at a time so that a warp reads 512 contiguous
-# bytes per step, unpacking them in registers and multiplying four at a time with dp4a;
-# it writes acc * (gamma / s) with the same fp32 operations as _linear, so the result is
-# bit-identical. This part needs no torch headers, so it compiles with plain nvcc without
-# a GPU, and runs on the CPU too under a header that emulates CUDA's threads, barriers
-# and shuffles (tests/test_cuda_emulated.py).
+# Decode (up to 16 tokens) is a GEMV of a few microseconds that streams every weight once,
+# so the op is two kernels, no torch ops around them. quantize_rows: one block per token
+# finds absmax, then writes the int8 row, padded with zeros to the packed K (a reduction
+# over all of K that every weight row needs first: inside the GEMV, each of its N / 32
+# blocks would redo it, for 16 tokens of K = 4096 8x more reads than the weights).
+# ternary_gemv: a block of 8 warps owns 32 weight rows, 4 per warp. It copies the
+# activations into shared memory once, a tile of 32 KiB at a time, and each lane then
+# streams its rows' 16-byte words (a warp reads 512 contiguous bytes per row per step,
+# 4 rows' loads in flight), unpacks each word once with __vsub4 (codes - 1) and multiplies
+# it into every token of the batch with dp4a. The activations sit in shared memory in the
+# order the lanes read them ([token][bit pair][16-byte word]), so a warp's reads are 32
+# consecutive 16-byte words: no bank conflicts. It writes acc * (gamma / s) with the same
+# fp32 operations as _linear, so the result is bit-identical. Batches above 16 go to the
+# int8 tensor cores (torch._int_mm) with an unpacked copy of the weights made once
+# (`unpacked`), and `rescale` applies the scales. This part needs no torch headers, so it
+# compiles with plain nvcc without a GPU, and runs on the CPU too under a header that
+# emulates CUDA's threads, barriers and shuffles (tests/test_cuda_emulated.py).
 GEMV_CU = r"""
 #include <cstdint>
 
@@ -427,56 +435,131 @@ __global__ void quantize_rows(const float* __restrict__ x, int8_t* __restrict__ 
         k < K ? (int8_t)fminf(fmaxf(rintf(xr[k] * sc), -128.f), 127.f) : 0;
 }
 
+constexpr int WARPS = 8;           // warps per block
+constexpr int ROWS = 4;            // weight rows per warp
+constexpr int TILE_BYTES = 32768;  // activations in shared memory: MT tokens x KT columns
+
+// MT tokens (1, 2, 4, 8 or 16; those past M are zeros) times 32 weight rows per block
+template <int MT>
 __global__ void ternary_gemv(const int8_t* __restrict__ x, const uint8_t* __restrict__ w,
                              const float* __restrict__ s, const float* __restrict__ gamma,
                              float* __restrict__ y, int M, int N, int Kp, int gs) {
-  const int n = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int m0 = blockIdx.y * 4;  // up to 4 tokens per warp share each unpacked weight
-  if (n >= N) return;
-  const uint4* wr = reinterpret_cast<const uint4*>(w + (size_t)n * Kp / 4);
-  const int* xw = reinterpret_cast<const int*>(x);  // 4 activations per int
-  int acc[4] = {0, 0, 0, 0};
-  for (int j = lane; j < Kp / 64; j += 32) {  // uint4 j: block j / 4, its words 4 (j % 4) ..
-    const uint4 v = __ldg(wr + j);
-    const unsigned words[4] = {v.x, v.y, v.z, v.w};
-    for (int t = 0; t < 4; t++)
-      for (int i = 0; i < 4; i++) {
-        // bit pair i of word t: columns 256 (j / 4) + 64 i + 4 (4 (j % 4) + t) .. + 3
-        const int q = __vsub4((words[t] >> 2 * i) & 0x03030303u, 0x01010101u);  // codes - 1
-        const int col = 64 * (j / 4) + 16 * i + 4 * (j % 4) + t;  // in ints of 4 activations
-        for (int m = 0; m < 4 && m0 + m < M; m++)
-          acc[m] = __dp4a(q, xw[(size_t)(m0 + m) * (Kp / 4) + col], acc[m]);
+  constexpr int KT = TILE_BYTES / MT;  // columns per tile, a multiple of 2048
+  constexpr int J = KT / 64;           // 16-byte words of a weight row per tile
+  __shared__ int4 xs[MT * 4 * J];      // [token][bit pair i][word j]: the ints word j meets
+  const int lane = threadIdx.x % 32;
+  const int n0 = (blockIdx.x * WARPS + threadIdx.x / 32) * ROWS;
+  int acc[ROWS][MT] = {};
+  for (int k0 = 0; k0 < Kp; k0 += KT) {
+    const int jt = min(KT, Kp - k0) / 64;  // words per row in this tile
+    __syncthreads();  // every warp is done with the previous tile
+    // 16 activations u (columns k0 + 16 u ..) lie in 256-column block u / 16, at bit pair
+    // i = u / 4 % 4 of word j = 4 (u / 16) + u % 4 of that block's 64 bytes
+    for (int e = threadIdx.x; e < MT * 4 * jt; e += blockDim.x) {
+      const int m = e / (4 * jt), u = e % (4 * jt);
+      const int i = u / 4 % 4, j = u / 16 * 4 + u % 4;
+      const int4* xr = reinterpret_cast<const int4*>(x + (size_t)m * Kp + k0);
+      xs[(m * 4 + i) * J + j] = m < M ? __ldg(xr + u) : make_int4(0, 0, 0, 0);
+    }
+    __syncthreads();
+    for (int j = lane; j < jt; j += 32) {
+      uint4 v[ROWS];  // this word of each of the warp's rows, all loads in flight at once
+#pragma unroll
+      for (int r = 0; r < ROWS; r++) {
+        const uint4* wr = reinterpret_cast<const uint4*>(w + (size_t)(n0 + r) * Kp / 4 + k0 / 4);
+        v[r] = n0 + r < N ? __ldg(wr + j) : make_uint4(0, 0, 0, 0);
       }
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        int q[ROWS][4];  // bit pair i of the 4 ints of each row's word: weights - 1 .. 1
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+          const unsigned words[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
+          for (int t = 0; t < 4; t++)
+            q[r][t] = __vsub4((words[t] >> 2 * i) & 0x03030303u, 0x01010101u);
+        }
+#pragma unroll
+        for (int m = 0; m < MT; m++) {
+          const int4 a = xs[(m * 4 + i) * J + j];
+#pragma unroll
+          for (int r = 0; r < ROWS; r++) {
+            acc[r][m] = __dp4a(q[r][0], a.x, acc[r][m]);
+            acc[r][m] = __dp4a(q[r][1], a.y, acc[r][m]);
+            acc[r][m] = __dp4a(q[r][2], a.z, acc[r][m]);
+            acc[r][m] = __dp4a(q[r][3], a.w, acc[r][m]);
+          }
+        }
+      }
+    }
   }
-  for (int m = 0; m < 4 && m0 + m < M; m++) {
-    for (int o = 16; o > 0; o /= 2) acc[m] += __shfl_down_sync(0xffffffffu, acc[m], o);
-    // M * N may pass 2^31
-    if (lane == 0)
-      y[(size_t)(m0 + m) * N + n] = (float)acc[m] * (gamma[gs * n] / s[m0 + m]);
-  }
+#pragma unroll
+  for (int r = 0; r < ROWS; r++)
+#pragma unroll
+    for (int m = 0; m < MT; m++) {
+      for (int o = 16; o > 0; o /= 2) acc[r][m] += __shfl_down_sync(0xffffffffu, acc[r][m], o);
+      // M * N may pass 2^31
+      if (lane == 0 && n0 + r < N && m < M)
+        y[(size_t)m * N + n0 + r] = (float)acc[r][m] * (gamma[gs * (n0 + r)] / s[m]);
+    }
+}
+
+using Gemv = void (*)(const int8_t*, const uint8_t*, const float*, const float*, float*,
+                      int, int, int, int);
+
+Gemv gemv_for(int M) {  // the kernel for M <= 16 tokens: the smallest MT >= M
+  return M <= 1 ? ternary_gemv<1> : M <= 2 ? ternary_gemv<2> : M <= 4 ? ternary_gemv<4>
+       : M <= 8 ? ternary_gemv<8> : ternary_gemv<16>;
+}
+
+// y (M, N) = acc (M, N of lda) * (gamma / s), as _linear does it
+__global__ void rescale(const int* __restrict__ acc, int lda, const float* __restrict__ s,
+                        const float* __restrict__ gamma, float* __restrict__ y, int M, int N,
+                        int gs) {
+  const size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= (size_t)M * N) return;
+  const int m = e / N, n = e % N;
+  y[e] = (float)acc[(size_t)m * lda + n] * (gamma[gs * n] / s[m]);
 }
 """
 LAUNCH_CU = r"""
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
 
-torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma) {
+// x (M, K) -> x_q (M, Kp) int8 and s (M,) fp32, in one allocation
+std::vector<torch::Tensor> quantize(torch::Tensor x, int64_t Kp) {
   x = x.to(torch::kFloat).contiguous();
-  gamma = gamma.to(torch::kFloat).contiguous();
-  const int M = x.size(0), K = x.size(1), N = w.size(0), Kp = 4 * w.size(1);
+  const int64_t M = x.size(0), K = x.size(1);
+  auto bytes = torch::empty({M * Kp + 4 * M}, x.options().dtype(torch::kChar));
+  auto xq = bytes.narrow(0, 0, M * Kp).view({M, Kp});
+  auto s = bytes.narrow(0, M * Kp, 4 * M).view(torch::kFloat);
+  quantize_rows<<<M, 256, 0, at::cuda::getCurrentCUDAStream()>>>(
+      x.data_ptr<float>(), xq.data_ptr<int8_t>(), s.data_ptr<float>(), K, Kp);
+  return {xq, s};
+}
+
+torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor gamma) {
+  const int M = x.size(0), N = w.size(0), Kp = 4 * w.size(1);
+  TORCH_CHECK(M <= 16, "the GEMV takes up to 16 tokens");
   TORCH_CHECK(w.is_contiguous() && reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
               "packed weights must be contiguous and 16-byte aligned; pass a whole tensor");
-  auto xq = torch::empty({M, Kp}, x.options().dtype(torch::kChar));
-  auto s = torch::empty({M}, x.options());
-  auto y = torch::empty({M, N}, x.options());
-  auto stream = at::cuda::getCurrentCUDAStream();
-  quantize_rows<<<M, 256, 0, stream>>>(x.data_ptr<float>(), xq.data_ptr<int8_t>(),
-                                       s.data_ptr<float>(), K, Kp);
-  // 4 warps (weight rows) per block of 128 threads
-  const dim3 grid((N + 3) / 4, (M + 3) / 4);
-  ternary_gemv<<<grid, 128, 0, stream>>>(xq.data_ptr<int8_t>(), w.data_ptr<uint8_t>(),
-                                         s.data_ptr<float>(), gamma.data_ptr<float>(),
-                                         y.data_ptr<float>(), M, N, Kp, gamma.numel() > 1);
+  auto q = quantize(x, Kp);
+  gamma = gamma.to(torch::kFloat).contiguous();
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  const dim3 grid((N + WARPS * ROWS - 1) / (WARPS * ROWS));
+  gemv_for(M)<<<grid, 32 * WARPS, 0, at::cuda::getCurrentCUDAStream()>>>(
+      q[0].data_ptr<int8_t>(), w.data_ptr<uint8_t>(), q[1].data_ptr<float>(),
+      gamma.data_ptr<float>(), y.data_ptr<float>(), M, N, Kp, gamma.numel() > 1);
+  return y;
+}
+
+torch::Tensor scale(torch::Tensor acc, torch::Tensor s, torch::Tensor gamma, int64_t N) {
+  gamma = gamma.to(torch::kFloat).contiguous();
+  const int64_t M = acc.size(0);
+  auto y = torch::empty({M, N}, s.options());
+  const int64_t blocks = (M * N + 255) / 256;
+  rescale<<<blocks, 256, 0, at::cuda::getCurrentCUDAStream()>>>(
+      acc.data_ptr<int>(), acc.size(1), s.data_ptr<float>(), gamma.data_ptr<float>(),
+      y.data_ptr<float>(), M, N, gamma.numel() > 1);
   return y;
 }
 """
@@ -484,23 +567,45 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma) {
 
 @functools.cache
 def cuda_extension():
-    from torch.utils.cpp_extension import load_inline
-    decl = 'torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma);'
+    from torch.utils.cpp_extension import load_inline  # built for this machine's GPU
+    decl = ('std::vector<torch::Tensor> quantize(torch::Tensor x, int64_t Kp);\n'
+            'torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor gamma);\n'
+            'torch::Tensor scale(torch::Tensor acc, torch::Tensor s, torch::Tensor gamma, '
+            'int64_t N);')
     return load_inline('nanobitnet_cuda', decl, cuda_sources=GEMV_CU + LAUNCH_CU,
-                       functions=['linear'], extra_cuda_cflags=['-O3'])
+                       functions=['quantize', 'gemv', 'scale'], extra_cuda_cflags=['-O3'])
 
 
-def _int_mm(x_q, w):
-    # prefill is compute-bound: unpack once to int8, let cuBLAS use the int8 tensor cores
-    return torch._int_mm(x_q, unpack(w, x_q.shape[1]).T)
+# Unpacked int8 copies of packed weights for the tensor cores, made on a weight's first
+# batch above 16 tokens and kept while it lives: 1 byte per weight beside the packed
+# quarter byte (still 1.6x fewer bytes than bf16), instead of unpacking on every call.
+_unpacked = WeakIdKeyDictionary()
+
+
+def unpacked(w):
+    """Packed w (N, Kp/4) as int8 (N rounded up to 8, Kp), the shape torch._int_mm takes;
+    made again if w was changed in place."""
+    version, w8 = _unpacked.get(w, (None, None))
+    if version != w._version:
+        w8 = F.pad(unpack(w, 4 * w.shape[1]), (0, 0, 0, -w.shape[0] % 8))
+        _unpacked[w] = (w._version, w8)
+    return w8
+
+
+def unpacked_bytes():
+    """Bytes of the int8 copies `unpacked` keeps now, part of the weights' memory."""
+    return sum(w8.nbytes for _, w8 in _unpacked.values())
 
 
 def linear_cuda(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
-    (M, K), N = x.shape, w.shape[0]
-    # int8: _linear's matmul
-    if w.dtype == torch.int8 or (M > 16 and K % 8 == 0 and N % 8 == 0):
-        return _linear(_int_mm, x, w, gamma)
-    return cuda_extension().linear(x, w.contiguous(), gamma)
+    if w.dtype == torch.int8:  # int8 rows: _linear's exact product
+        return _linear(_mm_double, x, w, gamma)
+    if x.shape[0] <= 16:
+        return cuda_extension().gemv(x, w.contiguous(), gamma)
+    # prefill is compute-bound: cuBLAS on the int8 tensor cores
+    x_q, s = cuda_extension().quantize(x, 4 * w.shape[1])
+    acc = torch._int_mm(x_q, unpacked(w).T)
+    return cuda_extension().scale(acc, s, gamma, w.shape[0])
 
 
 IMPLS = dict(reference=linear_reference, compile=linear_compile, cpp=linear_cpp,

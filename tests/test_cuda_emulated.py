@@ -25,7 +25,11 @@ HEADER = r"""
 #include <vector>
 
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
+struct int4 { int x, y, z, w; };
 struct uint4 { unsigned x, y, z, w; };
+int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
+uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+using std::min;
 thread_local dim3 threadIdx, blockIdx;
 dim3 blockDim, gridDim;
 
@@ -85,58 +89,91 @@ template <class F> void launch(dim3 grid, dim3 block, F kernel, int64_t only = -
 }
 """
 
-# what kernels.LAUNCH_CU does, with launch() in place of <<<grid, block>>>
+# what kernels.LAUNCH_CU does, with launch() in place of <<<grid, block>>>; variant 0: kernels.py's
+# kernels, 1: MUTANT, 2: OLD
 LAUNCHER = r"""
-std::vector<torch::Tensor> run(torch::Tensor x, torch::Tensor w, torch::Tensor gamma, torch::Tensor y,
-                               int64_t only, int64_t variant) {  // 0: kernels.py's, 1: MUTANT, 2: OLD
-  const int M = x.size(0), K = x.size(1), N = w.size(0), Kp = 4 * w.size(1);
+#define PICK(f) (variant == 1 ? mutant::f : variant == 2 ? old::f : f)
+
+std::vector<torch::Tensor> quantize(torch::Tensor x, int64_t Kp, int64_t variant) {
+  const int M = x.size(0), K = x.size(1);
   auto xq = torch::empty({M, Kp}, torch::kChar);
   auto s = torch::empty({M}, torch::kFloat);
-  auto q = variant == 1 ? mutant::quantize_rows : variant == 2 ? old::quantize_rows : quantize_rows;
-  auto g = variant == 1 ? mutant::ternary_gemv : variant == 2 ? old::ternary_gemv : ternary_gemv;
-  launch(dim3{(unsigned)M}, dim3{256}, [&] { q(x.data_ptr<float>(), xq.data_ptr<int8_t>(), s.data_ptr<float>(), K, Kp); });
-  launch(dim3{(unsigned)(N + 3) / 4, (unsigned)(M + 3) / 4}, dim3{128}, [&] {
-    g(xq.data_ptr<int8_t>(), w.data_ptr<uint8_t>(), s.data_ptr<float>(), gamma.data_ptr<float>(), y.data_ptr<float>(),
-      M, N, Kp, gamma.numel() > 1); }, only);
+  launch(dim3{(unsigned)M}, dim3{256}, [&] { PICK(quantize_rows)(x.data_ptr<float>(), xq.data_ptr<int8_t>(), s.data_ptr<float>(), K, Kp); });
   return {xq, s};
+}
+
+void gemv(torch::Tensor x, torch::Tensor w, torch::Tensor gamma, torch::Tensor y, int64_t only, int64_t variant) {
+  const int M = x.size(0), N = w.size(0), Kp = 4 * w.size(1);
+  auto q = quantize(x, Kp, variant);
+  auto kernel = PICK(gemv_for)(M);
+  launch(dim3{(unsigned)(N + WARPS * ROWS - 1) / (WARPS * ROWS)}, dim3{32 * WARPS}, [&] {
+    kernel(q[0].data_ptr<int8_t>(), w.data_ptr<uint8_t>(), q[1].data_ptr<float>(), gamma.data_ptr<float>(),
+           y.data_ptr<float>(), M, N, Kp, gamma.numel() > 1); }, only);
+}
+
+void scale(torch::Tensor acc, torch::Tensor s, torch::Tensor gamma, torch::Tensor y, int64_t variant) {
+  const int M = y.size(0), N = y.size(1);
+  launch(dim3{(unsigned)(M * N + 255) / 256}, dim3{256}, [&] {
+    PICK(rescale)(acc.data_ptr<int>(), acc.size(1), s.data_ptr<float>(), gamma.data_ptr<float>(), y.data_ptr<float>(),
+                  M, N, gamma.numel() > 1); });
 }
 """
 
-# one index broken on purpose: the column of the third word of a uint4 read as the second's
-MUTANT = kernels.GEMV_CU.replace('#include <cstdint>', '').replace('+ 4 * (j % 4) + t;', '+ 4 * (j % 4) + (t == 2 ? 1 : t);')
-# the kernel as it was, its indices into x and y computed in int
-OLD = kernels.GEMV_CU.replace('#include <cstdint>', '').replace('[(size_t)(m0 + m)', '[(m0 + m)')
+DEVICE = kernels.GEMV_CU.replace('#include <cstdint>', '')
+# two indices broken on purpose, each off by one: the GEMV's activations (the word of a 256-column block
+# they land in), the rescale's column of acc
+MUTANT = DEVICE.replace('j = u / 16 * 4 + u % 4;', 'j = u / 16 * 4 + (u + 1) % 4;').replace(
+    'acc[(size_t)m * lda + n]', 'acc[(size_t)m * lda + (n + 1) % N]')
+# the GEMV as it was, its index into y computed in int
+OLD = DEVICE.replace('y[(size_t)m * N + n0 + r]', 'y[m * N + n0 + r]')
 
 
 @pytest.fixture(scope='module')
 def emulator():
     from torch.utils.cpp_extension import load_inline
-    assert MUTANT.count('(t == 2 ? 1 : t)') == 1 and OLD.count('[(m0 + m)') == 2
+    assert MUTANT.count('(u + 1) % 4') == 1 and MUTANT.count('(n + 1) % N') == 1 and OLD.count('y[m * N') == 1
     source = HEADER + kernels.GEMV_CU + ''.join(f'namespace {name} {{\n{src}\n}}\n' for name, src in
                                                 (('mutant', MUTANT), ('old', OLD))) + LAUNCHER
-    return load_inline('nanobitnet_cuda_on_cpu', source, functions=['run'], extra_cflags=['-O1'])
+    return load_inline('nanobitnet_cuda_on_cpu', source, functions=['quantize', 'gemv', 'scale'],
+                       extra_cflags=['-O1'])
 
 
 def emulated(emulator, x, w, gamma, variant=0):
-    y = torch.full((x.shape[0], w.shape[0]), float('nan'))
-    emulator.run(x.contiguous(), w, gamma, y, -1, variant)
+    """kernels.linear_cuda's two paths: the GEMV up to 16 tokens, above that quantize_rows, the int8
+    product of the unpacked copy (torch._int_mm's integers, here on the CPU) and rescale."""
+    M, N = x.shape[0], w.shape[0]
+    y = torch.full((M, N), float('nan'))
+    if M <= 16:
+        emulator.gemv(x.contiguous(), w, gamma, y, -1, variant)
+        return y
+    x_q, s = emulator.quantize(x.contiguous(), 4 * w.shape[1], variant)
+    acc = (x_q.long() @ kernels.unpacked(w).long().T).int()
+    emulator.scale(acc, s, gamma, y, variant)
     return y
 
 
-CASES = [(M, K, N) for M in (1, 3, 4, 5, 16) for K, N in ((64, 32), (256, 7), (4100, 13))]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize('M,K,N', CASES)
-def test_cuda_kernels_on_the_cpu_equal_the_reference(emulator, M, K, N):
+def inputs(M, K, N):
     g = torch.Generator().manual_seed(M * 10_000 + K + N)
     x = torch.randn(M, K, generator=g) * torch.rand(M, 1, generator=g) * 4
     x[0, 0] = 100.0  # one token's absmax far above the rest
     if M > 2:
         x[1] = 0.0  # an all-zero token
-    w_q = torch.randint(-1, 2, (N, K), generator=g)
-    w = kernels.pack(w_q)  # one gamma, or one per row (q/k/v or gate/up fused into one matrix)
+    w = kernels.pack(torch.randint(-1, 2, (N, K), generator=g))
+    # one gamma, or one per row (q/k/v or gate/up fused into one matrix; weight_scale='row')
     gamma = torch.tensor([0.0371]) if M % 2 else torch.rand(N, generator=g) + 0.01
+    return x, w, gamma
+
+
+# every GEMV (1, 2, 4, 8, 16 tokens), one and several blocks of 32 rows, ragged ones, K in several
+# shared-memory tiles (16 tokens: 2048 columns a tile; one token: 32768); above 16 tokens the int8 path
+CASES = ([(M, K, N) for M in (1, 2, 3, 4, 5, 16) for K, N in ((64, 32), (256, 7), (4100, 45))]
+         + [(1, 33000, 40), (16, 33000, 9)] + [(M, K, N) for M in (17, 40) for K, N in ((256, 7), (4100, 64))])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('M,K,N', CASES)
+def test_cuda_kernels_on_the_cpu_equal_the_reference(emulator, M, K, N):
+    x, w, gamma = inputs(M, K, N)
     want = kernels.linear_reference(x, w, gamma)
     assert torch.equal(emulated(emulator, x, w, gamma), want)
     # the harness can fail: a copy with one index broken gives other numbers
@@ -146,7 +183,7 @@ def test_cuda_kernels_on_the_cpu_equal_the_reference(emulator, M, K, N):
 def last_block(emulator, x, w, gamma, y, variant, want):
     """In a forked child: the grid's last block alone; exit 0 if it wrote `want` where it belongs."""
     faulthandler.disable()  # a crash is one of the expected outcomes: no traceback dump for it
-    emulator.run(x, w, gamma, y, (w.shape[0] + 3) // 4 - 1, variant)  # rows N-4 .. N-1
+    emulator.gemv(x, w, gamma, y, (w.shape[0] + 31) // 32 - 1, variant)  # rows N-4 .. N-1
     os._exit(0 if torch.equal(y[:, -4:], want) else 3)
 
 

@@ -1,5 +1,6 @@
 """kernels.py and packed inference: the two 2-bit layouts, the four matmul paths against exact
 integer arithmetic, PackedBitLinear / freeze, and the offline BitNet export against transformers."""
+import gc
 import json
 import os
 import shutil
@@ -191,7 +192,8 @@ def test_compile_path_is_bit_identical_and_composes_with_torch_compile(cpp):
 def test_cuda_is_bit_identical_to_reference():
     kernels.choose.cache_clear()
     assert kernels.best('cuda') == 'cuda'
-    for M, N, K in SHAPES + [(32, 64, 512), (40, 24, 256)]:  # M > 16: the int8 tensor-core path
+    # M > 16: the int8 tensor-core path; then GEMVs over several shared-memory tiles of K
+    for M, N, K in SHAPES + [(32, 64, 512), (40, 24, 256), (16, 40, 4100), (8, 70, 33000)]:
         w_q = ternary(N, K)
         w, x = kernels.pack(w_q).cuda(), int_inputs(M, K).cuda()
         y = kernels.ternary_linear(x, w, torch.ones(1, device='cuda'), impl='cuda')
@@ -203,12 +205,32 @@ def test_cuda_is_bit_identical_to_reference():
 
 @pytest.mark.skipif(shutil.which('nvcc') is None, reason="needs nvcc (the CUDA toolkit), not a GPU")
 def test_cuda_kernel_compiles_with_nvcc(tmp_path):
-    # a CPU build of torch has no CUDA headers, so compile the kernel part alone, as plain CUDA
+    # a CPU build of torch has no CUDA headers, so compile the kernel part alone, as plain CUDA,
+    # for the A100 and the H100/H200
     (tmp_path / 'gemv.cu').write_text(kernels.GEMV_CU)
-    r = subprocess.run(['nvcc', '-c', '-O3', '-arch=sm_80', 'gemv.cu', '-o', 'gemv.o'], cwd=tmp_path,
+    arches = [f'-gencode=arch=compute_{a},code=sm_{a}' for a in (80, 90)]
+    r = subprocess.run(['nvcc', '-c', '-O3', *arches, 'gemv.cu', '-o', 'gemv.o'], cwd=tmp_path,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert b'ternary_gemv' in (tmp_path / 'gemv.o').read_bytes()
+    binary = (tmp_path / 'gemv.o').read_bytes()
+    for tokens in (1, 2, 4, 8, 16):  # every GEMV gemv_for picks
+        assert f'ternary_gemvILi{tokens}EE'.encode() in binary
+
+
+def test_unpacked_copy_is_made_once_per_weight_and_dropped_with_it():
+    before = kernels.unpacked_bytes()
+    w_q = ternary(13, 300)
+    w = kernels.pack(w_q)
+    w8 = kernels.unpacked(w)
+    assert w8.dtype == torch.int8 and w8.shape == (16, 512)  # rows to a multiple of 8, K to 256
+    assert torch.equal(w8[:13, :300], w_q.to(torch.int8)) and not w8[13:].any() and not w8[:, 300:].any()
+    assert kernels.unpacked(w) is w8  # kept, not unpacked again
+    assert kernels.unpacked_bytes() == before + 16 * 512
+    w.copy_(kernels.pack(-w_q))  # changed in place: a new copy
+    assert torch.equal(kernels.unpacked(w)[:13, :300], -w_q.to(torch.int8))
+    del w, w8
+    gc.collect()
+    assert kernels.unpacked_bytes() == before
 
 
 def test_dispatch_falls_back_once_without_a_compiler(monkeypatch):
