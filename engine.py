@@ -92,6 +92,74 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, eos_id=Non
     return idx
 
 
+class GraphDecoder:
+    """Greedy decoding (generate at temperature 0) whose every new token is one replay of a
+    CUDA graph. A decode step of a small model is hundreds of kernels of a few microseconds
+    each, and launching them one by one from Python costs more than running them; a graph
+    launches the recorded step at once. A graph replays fixed shapes and addresses, so the
+    step is written for that: the cache is a fixed buffer attended whole (the keys past the
+    position masked), the position is a tensor on the device that the step advances, and
+    the next token is picked inside the step. Made for one batch size and length, captured
+    on its first decode step and reused by every call. On a CPU the same step runs eagerly
+    (the tests compare it with generate)."""
+
+    def __init__(self, model, batch, max_len, vocab=None):
+        cfg = model.config
+        p = next(model.parameters())
+        if max_len > cfg.max_seq_len:
+            raise ValueError(f"max_len={max_len} exceeds max_seq_len={cfg.max_seq_len}")
+        self.model, self.vocab, self.max_len = model, vocab, max_len
+        # zeros: masked keys get no weight, but their values still enter SDPA's product
+        # (0 x NaN is NaN)
+        shape = (2, batch, cfg.n_kv_head, max_len, cfg.head_dim)
+        self.cache = [torch.zeros(shape, device=p.device, dtype=p.dtype)
+                      for _ in range(cfg.n_layer)]
+        self.tokens = torch.zeros(batch, max_len, dtype=torch.long, device=p.device)
+        self.token = torch.zeros(batch, 1, dtype=torch.long, device=p.device)
+        self.pos = torch.zeros((), dtype=torch.long, device=p.device)  # self.token's
+        self.graph = None
+
+    def pick(self, logits):
+        self.token.copy_(logits[:, -1, :self.vocab].argmax(-1, keepdim=True))
+        self.tokens.index_copy_(1, self.pos.view(1), self.token)
+
+    def step(self):
+        logits = self.model(self.token, self.cache, self.pos)
+        self.pos += 1
+        self.pick(logits)
+
+    def capture(self):
+        # what the capture records runs once first, on a side stream as PyTorch asks
+        # (lazy initialisations, the kernels' build)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.step()
+
+    @torch.no_grad()
+    def __call__(self, idx, max_new_tokens):
+        """idx (batch, T) and its greedy continuation of max_new_tokens, as generate."""
+        T = idx.shape[1]
+        if T + max_new_tokens > self.max_len:
+            raise ValueError(f"{T} + {max_new_tokens} tokens exceed max_len={self.max_len}")
+        logits = self.model(idx, self.cache, 0)  # prefill, eagerly
+        self.tokens[:, :T] = idx
+        self.pos.fill_(T)
+        self.pick(logits)
+        for _ in range(max_new_tokens - 1):
+            if self.graph is not None:
+                self.graph.replay()
+            elif self.tokens.is_cuda:
+                self.capture()  # one step, run for real; the graph records the next
+            else:
+                self.step()
+        return self.tokens[:, :T + max_new_tokens].clone()
+
+
 def top_p_filter(probs, top_p):
     """The smallest set of most likely tokens whose probability reaches top_p (nucleus
     sampling, Holtzman et al. 2020), renormalised; (B, V)."""

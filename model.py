@@ -169,7 +169,12 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # write this step's K/V, then attend over everything so far
-        if cache is not None:
+        if torch.is_tensor(pos):  # a fixed-shape step (engine.GraphDecoder): the whole cache
+            at = pos + torch.arange(T, device=k.device)
+            cache[0].index_copy_(2, at, k)
+            cache[1].index_copy_(2, at, v)
+            k, v = cache[0], cache[1]
+        elif cache is not None:
             cache[0][:, :, pos:pos + T], cache[1][:, :, pos:pos + T] = k, v
             k, v = cache[0][:, :, :pos + T], cache[1][:, :, :pos + T]
         # a single new token may look at the whole cache, so only a multi-token step is
@@ -222,18 +227,19 @@ class Block(nn.Module):
         return x + self.mlp(h)
 
 
-def attention_mask(valid, pos, T, window, device):
+def attention_mask(valid, pos, T, window, device, n_keys=None):
     """(B or 1, 1, T, pos + T) attention mask for queries at pos..pos + T - 1, or None
     where SDPA's own causal rule is all there is: a key at or before the query, within
     the last `window` positions (a sliding window, 0: all), and real (`valid`, (B, pos +
     T)). A padding position also sees itself, so that no row of the softmax is empty
-    (NaN); nothing real ever looks at it."""
-    windowed = window and pos + T > window
-    if valid is None and not windowed:
+    (NaN); nothing real ever looks at it. n_keys: all the cache's keys, for a position
+    that is a tensor (a fixed-shape step: the keys past it are masked too)."""
+    windowed = window and (n_keys is not None or pos + T > window)
+    if valid is None and not windowed and n_keys is None:
         return None
-    keys = torch.arange(pos + T, device=device)
-    queries = keys[pos:, None]
-    seen = keys <= queries  # (T, pos + T)
+    keys = torch.arange(n_keys or pos + T, device=device)
+    queries = pos + torch.arange(T, device=device)[:, None]
+    seen = keys <= queries  # (T, n_keys or pos + T)
     if windowed:
         seen = seen & (keys > queries - window)
     if valid is not None:
@@ -392,16 +398,21 @@ class Transformer(nn.Module):
         reconstruction. `valid` (B, pos + T), True at real tokens, keeps the
         padding of left-padded rows out of every causal attention."""
         B, T = idx.shape
-        if pos + T > self.config.max_seq_len:
+        # pos a tensor on the device: a step whose shapes do not change with it, which a
+        # CUDA graph can replay (engine.GraphDecoder checks the length)
+        fixed = torch.is_tensor(pos)
+        if not fixed and pos + T > self.config.max_seq_len:
             raise ValueError(f"{pos + T} tokens exceed "
                              f"max_seq_len={self.config.max_seq_len}")
         x = self.embed_tokens(idx)  # (B, T, C)
-        cos, sin = self.cos[pos:pos + T].to(x.dtype), self.sin[pos:pos + T].to(x.dtype)
+        at = pos + torch.arange(T, device=idx.device) if fixed else slice(pos, pos + T)
+        cos, sin = self.cos[at].to(x.dtype), self.sin[at].to(x.dtype)
         feats = {} if feats is None else feats
         if not causal and self.config.sliding_window:
             raise ValueError("bidirectional attention (causal=False) with a sliding "
                              "window is not supported")
-        mask = attention_mask(valid, pos, T, self.config.sliding_window, idx.device)
+        n_keys = cache[0].shape[3] if fixed else None
+        mask = attention_mask(valid, pos, T, self.config.sliding_window, idx.device, n_keys)
         for i, block in enumerate(self.layers):
             if 'inputs' in feats:
                 x = feats['inputs'][i]

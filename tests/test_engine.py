@@ -1,9 +1,10 @@
 """engine.py: generation with a KV cache against full forwards, and the fused decode model."""
 import copy
 
+import pytest
 import torch
 
-from engine import fuse, generate
+from engine import GraphDecoder, fuse, generate
 from model import ModelConfig, Transformer
 from test_model import tokens
 
@@ -57,6 +58,46 @@ def test_fuse_changes_only_the_head_and_saves_the_same_checkpoint(tmp_path):
         for _ in range(6):  # greedy decoding without a cache, one full forward per token
             seq = torch.cat((seq, model(seq)[:, -1].argmax(-1, keepdim=True)), dim=1)
     assert torch.equal(generate(model, idx, 6, temperature=0), seq)
+
+
+DECODER_MODELS = {
+    'GQA': dict(n_kv_head=2),
+    'Mistral, window 6': dict(n_kv_head=2, sliding_window=6, family='mistral'),  # a window < the 22 tokens
+    'Qwen3, q/k norm': dict(qk_norm=True, family='qwen3'),
+    'packed and fused': dict(bitnet=True),
+}
+
+
+@pytest.mark.parametrize('kind', DECODER_MODELS)
+@pytest.mark.parametrize('device', ['cpu', pytest.param('cuda', marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_graph_decoder_continues_as_generate(kind, device):
+    """GraphDecoder's fixed-shape step (the whole cache, masked past a position held in a tensor)
+    picks the tokens generate picks, for two prompts in a row through the same buffers (the first
+    one's keys stay in the cache, masked); on CUDA from a replayed graph."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=120, n_layer=2, n_embd=64, n_head=4, intermediate_size=96, max_seq_len=40,
+                      **DECODER_MODELS[kind])
+    model = Transformer(cfg).eval().to(device)
+    if cfg.bitnet:
+        model = fuse(model.freeze())
+    decoder = GraphDecoder(model, batch=2, max_len=24, vocab=100)
+    for T, new in ((9, 12), (5, 17)):
+        idx = tokens(100, B=2, T=T).to(device)
+        assert torch.equal(decoder(idx, new), generate(model, idx, new, temperature=0, vocab=100))
+    assert (decoder.graph is not None) == (device == 'cuda')
+    with pytest.raises(ValueError, match='exceed max_len=24'):
+        decoder(idx, 20)
+    # one fixed-shape step against the sliced one, over a cache of random keys and values: those past
+    # the position (and, in a window, before it) must get no weight
+    cache = [torch.randn(2, 2, cfg.n_kv_head, 24, cfg.head_dim, device=device) for _ in range(2)]
+    fixed = [c.clone() for c in cache]
+    x = tokens(100, B=2, T=1).to(device)
+    with torch.no_grad():
+        want, got = model(x, cache, 9), model(x, fixed, torch.tensor(9, device=device))
+    assert (got - want).abs().max() < 1e-5
+    assert all((a - b).abs().max() < 1e-5 for a, b in zip(cache, fixed))  # this step's keys written at 9
+    assert torch.equal(cache[0], fixed[0])  # the first block's exactly: its input is the same
 
 
 def test_profile_token_times_every_part_and_puts_everything_back():
