@@ -1,6 +1,7 @@
 """The benchmarks behind the speed claims, as ratios side by side in one run:
 bench.py kernels  # the packed ternary matmul against its peers
-bench.py decode   # tokens/s of ours (fp32, packed, fused) and llama.cpp, same weights
+bench.py decode   # tokens/s of ours (fp32, packed, fused) and llama.cpp, same weights (CPU);
+                  # ours packed and bf16, eager and as CUDA graphs, transformers (CUDA)
 bench.py train    # a training step: ours, the fake-quant reference, fp32, transformers
 bench.py convert  # config/smollm.py's step run by train.py: ternary vs fp twin, per phase
 bench.py kernels_per_layer  # kernels (CUDA) or ops (CPU) one BitLinear runs forward + backward
@@ -11,6 +12,7 @@ bench.py upload   # a training step while checkpoints upload to a throttled S3 s
 
 Weights cycle over enough matrices to overflow the last-level cache, as decoding reads every
 weight from memory once a token ("hot": one matrix, in cache). Best of rounds."""
+import functools
 import glob
 import json
 import os
@@ -36,7 +38,7 @@ import kernels
 from bitlinear import BitLinear
 from configurator import configure, words
 from data import get_batch, offline_corpus
-from engine import fuse, generate, profile_token, weight_bytes
+from engine import GraphDecoder, fuse, generate, profile_token, weight_bytes
 from eval import heldout
 from gguf_export import gguf_vocab, save_gguf
 from model import ModelConfig, Transformer
@@ -88,6 +90,38 @@ def timeit(cases, reps=5, calls=24):
     return best
 
 
+def replay_ms(fn, args, reps=20):
+    """ms per fn(*a), `a` cycling args, all the calls launched from one CUDA graph: the
+    GPU's time alone, without Python's launch cost. Best of reps replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up, as capturing asks
+        for a in args:
+            fn(*a)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for a in args:
+            fn(*a)
+    best = float('inf')
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / len(args) * 1e3)
+    return best
+
+
+def copy_gbs(nbytes=1 << 30):
+    """The GPU's memory bandwidth as a device-to-device copy reaches it: bytes read plus
+    bytes written per second, best of 10."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    t = timeit({'copy': (lambda: b.copy_(a), [()])}, reps=10, calls=1)['copy']
+    return 2 * nbytes / t / 1e6
+
+
 @torch.no_grad()
 def bench_matmul():
     copies = lambda nbytes: max(1, -(-2 * cache_bytes() // nbytes))  # for 2x the cache
@@ -95,11 +129,12 @@ def bench_matmul():
     print("\nms per call, cycled (weights from memory) / hot (in cache); GB/s = packed "
           f"bytes / cycled time\n{'in x out':>12} {'B':>3} {'fp32':>15} {peer:>15} "
           f"{'ternary':>15} {'GB/s':>5} {'vs fp32':>8} {'vs ' + peer:>9}")
+    replays = []
     for K, N in ((2048, 2048), (4096, 4096), (4096, 14336)):
         W = [(torch.randn(N, K, device=device) * 0.02,) for _ in range(copies(4 * N * K))]
-        if device == 'cuda':
+        if device == 'cuda':  # a bf16 model's activations are bf16 already (x_peer)
             Wp = [(w.bfloat16(),) for w, in W]
-            run_peer = lambda x, w: F.linear(x.bfloat16(), w)
+            run_peer = F.linear
         else:  # quantize_dynamic swaps children, not the module: hence the Sequential
             run_peer = lambda x, lin: lin(x)
             with warnings.catch_warnings():  # it warns that torch.ao moves to torchao
@@ -111,7 +146,9 @@ def bench_matmul():
                    torch.ones(1, device=device)) for _ in range(copies(N * K // 4))]
         for B in (1, 4, 16, 64):
             x = torch.randn(B, K, device=device)
-            fns = {'fp32': (lambda w: F.linear(x, w), W), peer: (lambda w: run_peer(x, w), Wp),
+            x_peer = x.bfloat16() if device == 'cuda' else x
+            fns = {'fp32': (lambda w: F.linear(x, w), W),
+                   peer: (lambda w: run_peer(x_peer, w), Wp),
                    'ternary': (lambda w, g: kernels.ternary_linear(x, w, g), packed)}
             t = timeit({(k, hot): (fn, args[:1] if hot else args)
                         for k, (fn, args) in fns.items() for hot in (0, 1)})
@@ -119,6 +156,19 @@ def bench_matmul():
             cells = " ".join(f"{t[k, 0]:7.3f}/{t[k, 1]:7.3f}" for k in fns)
             print(f"{f'{K} x {N}':>12} {B:3d} {cells} {N * K / 4 / cyc / 1e6:5.1f} "
                   f"{t['fp32', 0] / cyc:7.1f}x {t[peer, 0] / cyc:8.1f}x")
+            if device == 'cuda' and B <= 16:
+                replays.append((K, N, B, replay_ms(*fns[peer]), replay_ms(*fns['ternary'])))
+    if device == 'cuda':
+        copy = copy_gbs()
+        print(f"\nint8 copies of the packed weights kept for batches above 16: "
+              f"{kernels.unpacked_bytes() / 2**20:.0f} MiB\n"
+              f"\nCUDA graph replay, ms per call (cycled); a device-to-device copy moves "
+              f"{copy:.0f} GB/s (read + written)\n{'in x out':>12} {'B':>3} {'bf16':>8} "
+              f"{'ternary':>8} {'GB/s':>6} {'of copy':>8} {'vs bf16':>8}")
+        for K, N, B, bf16, ternary in replays:
+            gbs = N * K / 4 / ternary / 1e6
+            print(f"{f'{K} x {N}':>12} {B:3d} {bf16:8.4f} {ternary:8.4f} {gbs:6.0f} "
+                  f"{gbs / copy:8.0%} {bf16 / ternary:7.1f}x")
 
 
 def llama_cpp_run(llm, idx, new):
@@ -140,8 +190,7 @@ def bench_decode(prompt=128, new=32):
         llama_cpp = None
         print("\n(llama-cpp-python is not installed: the llama.cpp rows are left out)")
     torch.set_num_threads(2)
-    cfg = ModelConfig(vocab_size=32000, n_layer=16, n_embd=2048, n_head=16, n_kv_head=16,
-                      intermediate_size=5120, max_seq_len=prompt + new)  # dims k * 256
+    cfg = ModelConfig(**SHAPES['~0.8B'], max_seq_len=prompt + new)
     src = smollm2()
     for name, fp, tok in (('~0.8B Llama, random', Transformer(cfg), 'bytes'),
                           ('SmolLM2-135M-Instruct', checkpoint.load(src, packed=False)[1], src)):
@@ -190,6 +239,48 @@ def bench_decode(prompt=128, new=32):
         print(f"one decode token, ms (best of 3): {'':>4}" + head)
         for k, p in parts.items():
             print(f"{k:>36}" + "".join(f"{v:12.2f}" for v in p.values()))
+
+
+def bf16_head(x, w):
+    """fp32 activations through a bf16 head: ours decodes with the bf16 model's head."""
+    return F.linear(x.to(w.dtype), w).float()
+
+
+@torch.no_grad()
+def bench_decode_cuda(prompt=128, new=64):
+    """Greedy decode at batch 1 on CUDA: our bf16 model against ours packed (fused q/k/v
+    and gate/up, fp32 activations, the bf16 model's head), each eager (generate) and with
+    every token's step one CUDA graph replay (GraphDecoder); transformers' bf16 generate
+    beside them. Random weights in the ~0.8B and SmolLM2-135M shapes: speed only."""
+    from transformers import AutoModelForCausalLM
+    print(f"\ngreedy decode, batch 1: a prompt of {prompt} tokens, then {new} new ones; "
+          f"random weights in each shape\n{'model':>13} {'':>25} {'weights MiB':>11} "
+          f"{'int8 copies':>11} {'prefill tok/s':>13} {'decode tok/s':>12}")
+    for shape in ('~0.8B', 'SmolLM2-135M'):
+        cfg = ModelConfig(**SHAPES[shape], max_seq_len=prompt + new)
+        bf16 = Transformer(cfg).to(device).eval()
+        packed = fuse(deepcopy(bf16).to_bitnet().freeze())
+        bf16 = bf16.to(torch.bfloat16)
+        packed.use_head(functools.partial(bf16_head, w=bf16.lm_head.weight))
+        with tempfile.TemporaryDirectory() as tmp:
+            bf16.save_pretrained(tmp)
+            hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16).to(device)
+        idx = torch.randint(cfg.vocab_size, (1, prompt), device=device)
+        runs = {'transformers bf16 generate': lambda n: hf.generate(
+            idx, max_new_tokens=n, do_sample=False, pad_token_id=0)}
+        for name, model in (('ours bf16', bf16), ('ours packed', packed)):
+            runs[f'{name}, eager'] = functools.partial(generate, model, idx, temperature=0)
+            runs[f'{name}, CUDA graph'] = functools.partial(GraphDecoder(model, 1, prompt + new),
+                                                            idx)
+        t = timeit({(k, n): (fn, [(n,)]) for k, fn in runs.items() for n in (1, new)},
+                   reps=3, calls=1)
+        sizes = {k: weight_bytes(packed if 'packed' in k else bf16) / 2**20 for k in runs}
+        for k in runs:
+            prefill = 1e3 * prompt / t[k, 1]
+            decode = 1e3 * (new - 1) / (t[k, new] - t[k, 1])  # the steps after the first
+            copies = kernels.unpacked_bytes() / 2**20 if 'packed' in k else 0
+            print(f"{shape:>13} {k:>25} {sizes[k]:11.1f} {copies:11.1f} {prefill:13.0f} "
+                  f"{decode:12.1f}")
 
 
 def use_reference(model, on=True):
@@ -337,6 +428,8 @@ def train_table(sizes, kinds, peers, dtype, rounds):
 
 
 SHAPES = {  # models built in the process, random weights in a real model's shape
+    '~0.8B': dict(vocab_size=32000, n_layer=16, n_embd=2048, n_head=16, n_kv_head=16,
+                  intermediate_size=5120),  # dims k * 256
     '~100M': dict(vocab_size=32000, n_layer=12, n_embd=768, n_head=12, n_kv_head=12,
                   intermediate_size=2048),
     'SmolLM2-135M': dict(vocab_size=49152, n_layer=30, n_embd=576, n_head=9, n_kv_head=3,
@@ -569,9 +662,10 @@ def bench_upload(steps=100, rate=1 << 20):
 
 
 if __name__ == '__main__':
-    sections = dict(kernels=bench_matmul, decode=bench_decode, train=bench_train,
-                    convert=bench_convert, kernels_per_layer=bench_kernels_per_layer,
-                    moe=bench_moe, curve=bench_curve, distill=bench_distill,
+    sections = dict(kernels=bench_matmul,
+                    decode=bench_decode_cuda if device == 'cuda' else bench_decode,
+                    train=bench_train, convert=bench_convert,
+                    kernels_per_layer=bench_kernels_per_layer, moe=bench_moe, curve=bench_curve, distill=bench_distill,
                     upload=bench_upload)
     which, options = words(sys.argv[1:], allowed=sections)
     configure({}, options)  # no settings: a --key=value is an unknown key, in one line

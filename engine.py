@@ -14,7 +14,9 @@ input, so each group becomes one packed matrix (one activation quantization and 
 kernel call, every row keeping its gamma: the same numbers), and the fp head, most of
 the bytes a small model reads per token, gets int8 rows (kernels.pack_int8, 4x fewer
 bytes than fp32; its held-out cost is in docs/llama_cpp.md). `profile_token` shows where
-the time of a decode token goes.
+the time of a decode token goes. On a GPU a small model's decode step is hundreds of
+kernels of a few microseconds, which Python launches more slowly than they run:
+`GraphDecoder` replays the whole step as one CUDA graph.
 
 `rollout` samples many completions at once for reinforcement learning (GRPO, rl.py):
 prompts of different lengths are left-padded so that every row's next token sits in the
