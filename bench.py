@@ -665,8 +665,8 @@ if __name__ == '__main__':
     sections = dict(kernels=bench_matmul,
                     decode=bench_decode_cuda if device == 'cuda' else bench_decode,
                     train=bench_train, convert=bench_convert,
-                    kernels_per_layer=bench_kernels_per_layer, moe=bench_moe, curve=bench_curve, distill=bench_distill,
-                    upload=bench_upload)
+                    kernels_per_layer=bench_kernels_per_layer, moe=bench_moe,
+                    curve=bench_curve, distill=bench_distill, upload=bench_upload)
     which, options = words(sys.argv[1:], allowed=sections)
     configure({}, options)  # no settings: a --key=value is an unknown key, in one line
     which = which or list(sections)
