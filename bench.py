@@ -160,9 +160,7 @@ def bench_matmul():
                 replays.append((K, N, B, replay_ms(*fns[peer]), replay_ms(*fns['ternary'])))
     if device == 'cuda':
         copy = copy_gbs()
-        print(f"\nint8 copies of the packed weights kept for batches above 16: "
-              f"{kernels.unpacked_bytes() / 2**20:.0f} MiB\n"
-              f"\nCUDA graph replay, ms per call (cycled); a device-to-device copy moves "
+        print(f"\nCUDA graph replay, ms per call (cycled); a device-to-device copy moves "
               f"{copy:.0f} GB/s (read + written)\n{'in x out':>12} {'B':>3} {'bf16':>8} "
               f"{'ternary':>8} {'GB/s':>6} {'of copy':>8} {'vs bf16':>8}")
         for K, N, B, bf16, ternary in replays:
