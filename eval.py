@@ -20,6 +20,7 @@ the context alone has: the tokens a model would produce after the context.
 
     python eval.py --ckpt=out --tasks=arc_easy,piqa --limit=200
     python eval.py --gguf=model.gguf --tokenizer=out   # an export, through llama.cpp
+    python eval.py --ckpt=out --heldout=data/teacher   # held out: a shard folder's val split
 """
 import functools
 import glob
@@ -32,12 +33,13 @@ import sys
 import zipfile
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from checkpoint import load
 from configurator import configure
-from data import IGNORE, offline_corpus
+from data import IGNORE, offline_corpus, read_shard, shard_paths
 from engine import llama_cpp_forward
 from hub import DownloadError, cache_dir
 from report import Progress
@@ -275,6 +277,8 @@ def main(argv):
         packed=True,          # ternary models on 2-bit weights (False: fake-quantized)
         gguf='',              # a GGUF file to score through llama.cpp instead of ckpt
         batch_tokens=1024,    # tokens per forward
+        heldout='',           # held-out text: '' the offline corpus's last 10%, or a
+                              # folder of token shards (data.prepare, teach.py): its val split
         device='cuda' if torch.cuda.is_available() else 'cpu',
         out='')               # also write the JSON there
     ranges = {'limit': 'non-negative', 'batch_tokens': 'positive'}
@@ -282,6 +286,11 @@ def main(argv):
     tasks = [t + (f':{c["limit"]}' if c['limit'] else '') for t in c['tasks'].split(',')]
     try:
         check_tasks(tasks)
+        val_shards = shard_paths(c['heldout'], 'val') if c['heldout'] else []
+        if c['heldout'] and not val_shards:
+            raise ValueError(f"--heldout={c['heldout']} holds no val shards (val_*.bin); "
+                             "give a folder that data.prepare or teach.py wrote")
+        val = np.concatenate([read_shard(path) for path in val_shards]) if val_shards else None
         if c['gguf']:
             if not c['tokenizer']:
                 sys.exit("error: --gguf needs --tokenizer, e.g. the checkpoint it came from")
@@ -303,8 +312,10 @@ def main(argv):
                       f"its last {max_len} tokens", file=sys.stderr)
     except (OSError, ValueError, RuntimeError, KeyError, ImportError) as e:
         sys.exit(f"error: {e}")
-    val = offline_corpus(enc)[1]  # the offline corpus's last 10%, which no run trains on
+    if val is None:
+        val = offline_corpus(enc)[1]  # the offline corpus's last 10%, which no run trains on
     result['heldout'] = heldout(forward, val, enc, min(512, max_len), c['device'])
+    result['heldout_text'] = c['heldout'] or 'offline corpus, last 10%'
     text = json.dumps(result, indent=1)
     print(text)
     if c['out']:
