@@ -5,6 +5,7 @@ Generate text from a checkpoint, or chat with it:
     python sample.py --ckpt=out/ckpt_0000750 --prompt="def " --num_tokens=200
     python sample.py --ckpt=out-lora                 # a base model with LoRA adapters
     python sample.py --ckpt=HuggingFaceTB/SmolLM2-135M-Instruct --chat=True --prompt="Hi"
+    python sample.py --ckpt=out --judge=TEACHER_DIR   # also the teacher's nats on the text
 
 `ckpt` is a run's folder, a checkpoint, a Hugging Face Llama/BitNet directory or a hub id,
 opened as every script opens one (checkpoint.load). A ternary model runs packed (2-bit
@@ -18,12 +19,13 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 import checkpoint
 from configurator import configure
 from engine import fuse, generate, weight_bytes
 from lora import merge_lora
-from tokenizer import chat_prompt, chat_template, get_tokenizer
+from tokenizer import chat_prompt, chat_template, get_tokenizer, same_encoding
 
 ckpt = 'out'
 prompt = 'The '
@@ -34,6 +36,7 @@ chat = False           # the prompt is a user's message in the chat template
 seed = 1337
 tokenizer = ''         # '' is the checkpoint's own, or the one it was trained with
 packed = True          # ternary models on 2-bit weights (False: fake-quantized)
+judge = ''             # another model (a teacher) that scores the text: its nats/token
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
 settings = {k: v for k, v in globals().items() if isinstance(v, (int, float, str))}
 settings = {k: v for k, v in settings.items() if not k.startswith('_')}
@@ -46,6 +49,14 @@ try:
     ckpt, model, tokenizer = checkpoint.load(ckpt, device, packed, tokenizer)
 except (OSError, ValueError, RuntimeError, KeyError) as e:
     sys.exit(f"error: cannot load {ckpt!r}: {e}")
+if judge:
+    try:
+        judge, judge_model, judge_tokenizer = checkpoint.load(judge, device)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        sys.exit(f"error: cannot load the judge {judge!r}: {e}")
+    if not same_encoding(get_tokenizer(judge_tokenizer), get_tokenizer(tokenizer)):
+        sys.exit(f"error: the judge {judge!r} has another tokenizer than the model; "
+                 "it can only score text in the same tokens")
 merge_lora(model)  # an fp base's adapters are folded into it; a ternary base keeps them
 try:
     enc = get_tokenizer(tokenizer)
@@ -74,3 +85,9 @@ if model.config.bitnet:
     kind = 'packed ternary' if model.config.packed else 'ternary (fake-quantized)'
 weight_mb = weight_bytes(model) / 2**20  # what decoding reads per token
 print(f"--- {ckpt}: {kind}, weights {weight_mb:.1f} MiB, {num_tokens / dt:.1f} tokens/s")
+if judge and num_tokens:  # how likely the judge finds the new tokens, after the same prompt
+    new = torch.tensor([out], device=device)
+    with torch.no_grad():
+        logits = judge_model(new[:, :-1])[0, idx.size(1) - 1:].float()
+    nats = F.cross_entropy(logits, new[0, idx.size(1):]).item()
+    print(f"--- judge {judge}: {nats:.3f} nats/token on the {num_tokens} new tokens")

@@ -1,12 +1,19 @@
-"""engine.py: generation with a KV cache against full forwards, and the fused decode model."""
+"""engine.py: generation with a KV cache against full forwards, the fused decode model, the CUDA-graph decoder;
+sample.py's judge."""
 import copy
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine import GraphDecoder, fuse, generate
 from model import ModelConfig, Transformer
+from test_data import ROOT, train_hf_tokenizer
 from test_model import tokens
+from tokenizer import get_tokenizer
 
 
 def test_generate_with_kv_cache_matches_full_forward():
@@ -125,3 +132,31 @@ def test_profile_token_times_every_part_and_puts_everything_back():
                    for m in blocks if isinstance(m, Attention))
         assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
         assert torch.equal(generate(model, idx, 4, temperature=0), want)
+
+def test_sample_scores_its_new_tokens_by_a_judge(tmp_path):
+    """sample.py --judge=DIR prints the judge's mean nats per token on exactly the tokens sampled after the
+    prompt (recomputed here from the same greedy continuation); a judge with another tokenizer is refused in
+    one line before anything is sampled."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=320, n_layer=1, n_embd=32, n_head=2, n_kv_head=1, intermediate_size=64,
+                      max_seq_len=64)
+    model, judge = Transformer(cfg).eval(), Transformer(cfg).eval()
+    model.save_pretrained(str(tmp_path / 'model'))
+    judge.save_pretrained(str(tmp_path / 'judge'))
+    cmd = [sys.executable, 'sample.py', f'--ckpt={tmp_path / "model"}', '--prompt=Hi there', '--num_tokens=10',
+           '--temperature=0', f'--judge={tmp_path / "judge"}']
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    found = re.fullmatch(r'--- judge .*: (\d+\.\d+) nats/token on the 10 new tokens', r.stdout.strip().splitlines()[-1])
+    enc = get_tokenizer('bytes')
+    idx = torch.tensor([enc.encode_ordinary('Hi there')])
+    out = generate(model, idx, 10, temperature=0, vocab=enc.n_vocab)
+    with torch.no_grad():
+        nats = F.cross_entropy(judge(out[:, :-1])[0, idx.size(1) - 1:], out[0, idx.size(1):]).item()
+        own = F.cross_entropy(model(out[:, :-1])[0, idx.size(1) - 1:], out[0, idx.size(1):]).item()
+    assert found and abs(float(found[1]) - nats) < 1e-3 and abs(own - nats) > 0.01
+    train_hf_tokenizer('gpt2', str(tmp_path / 'judge'))  # the judge now reads another tokenizer
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and r.stdout == ''
+    assert r.stderr.strip().endswith("has another tokenizer than the model; it can only score text in the "
+                                      "same tokens")
