@@ -271,7 +271,7 @@ def main(argv):
     """The command line: a checkpoint or GGUF file scored on tasks and held-out text."""
     settings = dict(
         ckpt='out',           # a run's folder, a checkpoint, a HF directory or a hub id
-        tasks='hellaswag,arc_easy,arc_challenge,piqa,winogrande',
+        tasks='hellaswag,arc_easy,arc_challenge,piqa,winogrande',  # '': held-out text only
         limit=0,              # the first this many questions of each task (0: all)
         tokenizer='',         # '' is the checkpoint's (needed with --gguf)
         packed=True,          # ternary models on 2-bit weights (False: fake-quantized)
@@ -283,7 +283,7 @@ def main(argv):
         out='')               # also write the JSON there
     ranges = {'limit': 'non-negative', 'batch_tokens': 'positive'}
     c = configure(settings, argv, ranges)
-    tasks = [t + (f':{c["limit"]}' if c['limit'] else '') for t in c['tasks'].split(',')]
+    tasks = [t + (f':{c["limit"]}' if c['limit'] else '') for t in c['tasks'].split(',') if t]
     try:
         check_tasks(tasks)
         val_shards = shard_paths(c['heldout'], 'val') if c['heldout'] else []

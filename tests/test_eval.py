@@ -196,7 +196,8 @@ def test_command_line_scores_a_checkpoint_as_json(tmp_path):
 
 def test_heldout_text_from_a_shard_folder(tmp_path):
     """--heldout=FOLDER scores the val split of token shards (teach.py's, prepare's) instead of the
-    offline corpus; a folder without val shards is a one-line error before the model loads."""
+    offline corpus (--tasks=: no zero-shot tasks); a folder without val shards is a one-line error
+    before the model loads."""
     from data import write_documents
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=320, n_layer=1, n_embd=32, n_head=2, n_kv_head=1,
@@ -208,14 +209,14 @@ def test_heldout_text_from_a_shard_folder(tmp_path):
     docs = [[enc.eot_token] + enc.encode_ordinary(text) for text in ('held-out text, ' * 9, 'more of it. ' * 7)]
     write_documents(str(tmp_path / 'shards'), {'train': docs[:1], 'val': docs}, 'bytes')
     env = dict(os.environ, NANOBITNET_CACHE=str(tmp_path / 'cache'))
-    cmd = [sys.executable, 'eval.py', f'--ckpt={tmp_path / "model"}', '--tasks=arc_easy', '--limit=1',
+    cmd = [sys.executable, 'eval.py', f'--ckpt={tmp_path / "model"}', '--tasks=',  # held-out text only
            f'--out={tmp_path / "r.json"}', f'--heldout={tmp_path / "shards"}']
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     got = json.load(open(tmp_path / 'r.json'))
     assert got['heldout'] == eval.heldout(model, np.array(docs[0] + docs[1]), enc, T=64)
     assert got['heldout'] != eval.heldout(model, eval.offline_corpus(enc)[1], enc, T=64)
-    assert got['heldout_text'] == str(tmp_path / 'shards')
+    assert got['heldout_text'] == str(tmp_path / 'shards') and got['tasks'] == {}
     os.remove(next((tmp_path / 'shards').glob('*val_*.bin')))
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 1
