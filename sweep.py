@@ -140,10 +140,17 @@ def main(argv):
         run(state, path, workers)
 
 
+def save(state, path):
+    with open(path + '.tmp', 'w') as f:
+        json.dump(state, f)
+    os.replace(path + '.tmp', path)  # a kill leaves the old state or the new one
+
+
 def run(state, path, workers):
     """Chunks until no arm is left running, `workers` at a time; the state saved and the
     table reported after each."""
     os.makedirs(state['dir'], exist_ok=True)
+    save(state, path)  # from the start, `sweep.py DIR stop ARM` finds the sweep
     flight = {}  # arm -> (its train.py process, worker slot, start time)
     while True:
         apply_commands(state)
@@ -163,9 +170,7 @@ def run(state, path, workers):
             finish_chunk(state, name, process.returncode if process else 0)
         if state['halving']:
             halve(state, {r['arm']: r['val_loss'] for r in table(state)})
-        with open(path + '.tmp', 'w') as f:
-            json.dump(state, f)
-        os.replace(path + '.tmp', path)  # a kill leaves the old state or the new one
+        save(state, path)
         report(state, table(state))
 
 

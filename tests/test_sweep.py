@@ -130,6 +130,25 @@ def test_stop_resume_and_clone_between_chunks(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_command_to_the_folder_works_before_the_first_chunk_ends(tmp_path):
+    """The sweep's state is in DIR from the start, so `sweep.py DIR stop ARM` needs no finished chunk."""
+    path = write_sweep(tmp_path, {'a': {}, 'b': {}}, chunks=2)
+    folder = tmp_path / 'sweep'
+    proc = subprocess.Popen([sys.executable, 'sweep.py', path], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    t0 = time.time()
+    while not os.path.exists(folder / 'sweep.json'):
+        assert proc.poll() is None and time.time() - t0 < 300
+        time.sleep(0.05)
+    assert not list(folder.glob('*/ckpt_*'))  # no chunk had ended
+    r = run(str(folder), 'stop', 'b')
+    assert r.returncode == 0, r.stderr
+    assert proc.wait(timeout=600) == 0
+    final = {row['arm']: row for row in tables(folder)[-1]}
+    assert final['a']['step'] == 8 and final['b']['status'] == 'stopped' and final['b']['step'] < 8
+
+
+@pytest.mark.slow
 def test_a_sweep_killed_mid_chunk_ends_with_the_uninterrupted_table(tmp_path):
     arms = {'a': {}, 'b': {'learning_rate': 1e-3}}
     assert run(write_sweep(tmp_path, arms, halving=True, name='straight')).returncode == 0
