@@ -6,6 +6,7 @@ Generate text from a checkpoint, or chat with it:
     python sample.py --ckpt=out-lora                 # a base model with LoRA adapters
     python sample.py --ckpt=HuggingFaceTB/SmolLM2-135M-Instruct --chat=True --prompt="Hi"
     python sample.py --ckpt=out --judge=TEACHER_DIR   # also the teacher's nats on the text
+    python sample.py --chat=True --prompts=config/chat_prompts.txt   # one prompt a line
 
 `ckpt` is a run's folder, a checkpoint, a Hugging Face Llama/BitNet directory or a hub id,
 opened as every script opens one (checkpoint.load). A ternary model runs packed (2-bit
@@ -29,6 +30,7 @@ from tokenizer import chat_prompt, chat_template, get_tokenizer, same_encoding
 
 ckpt = 'out'
 prompt = 'The '
+prompts = ''           # a file of prompts, one a line, each sampled in turn (not prompt)
 num_tokens = 200
 temperature = 0.8      # 0: greedy
 top_k = 50
@@ -46,6 +48,16 @@ config = configure(settings, sys.argv[1:], ranges)
 globals().update(config)
 
 try:
+    if prompts:
+        with open(prompts, encoding='utf-8') as f:
+            texts = [line.rstrip('\n') for line in f if line.strip()]
+    else:
+        texts = [prompt]
+except (OSError, UnicodeDecodeError) as e:
+    sys.exit(f"error: cannot read --prompts={prompts}: {e}")
+if not texts:
+    sys.exit(f"error: --prompts={prompts} holds no prompt; write one a line")
+try:
     ckpt, model, tokenizer = checkpoint.load(ckpt, device, packed, tokenizer)
 except (OSError, ValueError, RuntimeError, KeyError) as e:
     sys.exit(f"error: cannot load {ckpt!r}: {e}")
@@ -61,33 +73,35 @@ merge_lora(model)  # an fp base's adapters are folded into it; a ternary base ke
 try:
     enc = get_tokenizer(tokenizer)
     end = chat_template(enc)[2] if chat else ''  # the token that ends an answer
-    ids = chat_prompt(enc, prompt) if chat else enc.encode_ordinary(prompt)
+    encoded = [chat_prompt(enc, t) if chat else enc.encode_ordinary(t) for t in texts]
 except (OSError, ValueError) as e:
     sys.exit(f"error: tokenizer {tokenizer!r}: {e}")
-if len(ids) >= model.config.max_seq_len:
-    sys.exit(f"error: the prompt is {len(ids)} tokens, and the model's window "
-             f"{model.config.max_seq_len}; shorten --prompt")
+for i, ids in enumerate(encoded):
+    if len(ids) >= model.config.max_seq_len:
+        sys.exit(f"error: prompt {i + 1} is {len(ids)} tokens, and the model's window "
+                 f"{model.config.max_seq_len}; shorten it")
 
 if model.config.packed:
     fuse(model)  # faster decode: q/k/v and gate/up fused, an int8 head
-torch.manual_seed(seed)
-idx = torch.tensor([ids], device=device)
-num_tokens = min(num_tokens, model.config.max_seq_len - idx.size(1))
-with torch.no_grad():
-    model(idx[:, :1])  # warm-up, so that a first-use kernel build is not timed
-t0 = time.time()
-stop = enc.encode_single_token(end) if chat else None
-out = generate(model, idx, num_tokens, temperature, top_k, stop, enc.n_vocab)[0].tolist()
-dt, num_tokens = time.time() - t0, len(out) - idx.size(1)
-print(enc.decode(out[idx.size(1):] if chat else out).removesuffix(end))  # chat: the answer
 kind = 'fp'
 if model.config.bitnet:
     kind = 'packed ternary' if model.config.packed else 'ternary (fake-quantized)'
 weight_mb = weight_bytes(model) / 2**20  # what decoding reads per token
-print(f"--- {ckpt}: {kind}, weights {weight_mb:.1f} MiB, {num_tokens / dt:.1f} tokens/s")
-if judge and num_tokens:  # how likely the judge finds the new tokens, after the same prompt
-    new = torch.tensor([out], device=device)
-    with torch.no_grad():
-        logits = judge_model(new[:, :-1])[0, idx.size(1) - 1:].float()
-    nats = F.cross_entropy(logits, new[0, idx.size(1):]).item()
-    print(f"--- judge {judge}: {nats:.3f} nats/token on the {num_tokens} new tokens")
+stop = enc.encode_single_token(end) if chat else None
+with torch.no_grad():
+    model(torch.tensor([encoded[0][:1]], device=device))  # warm-up: no kernel build timed
+for ids in encoded:
+    torch.manual_seed(seed)  # each prompt sampled as if alone
+    idx = torch.tensor([ids], device=device)
+    room = min(num_tokens, model.config.max_seq_len - idx.size(1))
+    t0 = time.time()
+    out = generate(model, idx, room, temperature, top_k, stop, enc.n_vocab)[0].tolist()
+    dt, new_tokens = time.time() - t0, len(out) - idx.size(1)
+    print(enc.decode(out[idx.size(1):] if chat else out).removesuffix(end))  # chat: the answer
+    print(f"--- {ckpt}: {kind}, weights {weight_mb:.1f} MiB, {new_tokens / dt:.1f} tokens/s")
+    if judge and new_tokens:  # how likely the judge finds the new tokens after the prompt
+        new = torch.tensor([out], device=device)
+        with torch.no_grad():
+            logits = judge_model(new[:, :-1])[0, idx.size(1) - 1:].float()
+        nats = F.cross_entropy(logits, new[0, idx.size(1):]).item()
+        print(f"--- judge {judge}: {nats:.3f} nats/token on the {new_tokens} new tokens")

@@ -135,8 +135,8 @@ def test_profile_token_times_every_part_and_puts_everything_back():
 
 def test_sample_scores_its_new_tokens_by_a_judge(tmp_path):
     """sample.py --judge=DIR prints the judge's mean nats per token on exactly the tokens sampled after the
-    prompt (recomputed here from the same greedy continuation); a judge with another tokenizer is refused in
-    one line before anything is sampled."""
+    prompt (recomputed here from the same greedy continuation), for each line of --prompts as for --prompt;
+    a judge with another tokenizer, or an empty prompt file, is refused in one line before any sampling."""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=320, n_layer=1, n_embd=32, n_head=2, n_kv_head=1, intermediate_size=64,
                       max_seq_len=64)
@@ -155,6 +155,17 @@ def test_sample_scores_its_new_tokens_by_a_judge(tmp_path):
         nats = F.cross_entropy(judge(out[:, :-1])[0, idx.size(1) - 1:], out[0, idx.size(1):]).item()
         own = F.cross_entropy(model(out[:, :-1])[0, idx.size(1) - 1:], out[0, idx.size(1):]).item()
     assert found and abs(float(found[1]) - nats) < 1e-3 and abs(own - nats) > 0.01
+    # --prompts: one prompt a line, each as if it were sampled alone
+    (tmp_path / 'prompts.txt').write_text('Hi there\n\nSomething else\n')
+    r = subprocess.run(cmd[:3] + [f'--prompts={tmp_path / "prompts.txt"}'] + cmd[4:], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    judged = [line for line in r.stdout.splitlines() if line.startswith('--- judge')]
+    assert len(judged) == 2 and judged[0] == found[0]
+    (tmp_path / 'prompts.txt').write_text('\n')
+    r = subprocess.run(cmd[:3] + [f'--prompts={tmp_path / "prompts.txt"}'] + cmd[4:], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and r.stderr.strip().endswith('holds no prompt; write one a line')
     train_hf_tokenizer('gpt2', str(tmp_path / 'judge'))  # the judge now reads another tokenizer
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and r.stdout == ''
