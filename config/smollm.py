@@ -12,7 +12,11 @@
 # its output), then CE + logits KD at T = 5, LR 1e-3, no weight decay; at the switch AdamW's
 # moments start afresh and the LR warms up again over warmup_steps (phase_reset). There it
 # closed 58% of the CE-only student's gap to the teacher at 246k tokens (CE + KD from the
-# start: 39%), with the moments carried across the switch, as they were then. Block-wise
+# start: 39%), with the moments carried across the switch, as they were then. One weight scale
+# per output row (--weight_scale=row) did better in `sweeps/recipes.py` at 61k tokens (40% of
+# the gap closed held out against 32%, one seed, a lead inside the recipe's seed-to-seed spread)
+# but its checkpoint is not one transformers' BitNet opens (one scale per matrix there), so the
+# default stays one per matrix until more seeds confirm it. Block-wise
 # reconstruction runs on several ranks under FSDP (DDP cannot follow a teacher-forced block), so
 # torchrun turns fsdp on.
 # The model's own tokenizer.json tokenizes the data. Offline, download those files elsewhere and
