@@ -1,4 +1,4 @@
-# docs/conversion.md's best recipe against the levers not yet measured there, SmolLM2-135M-Instruct
+# docs/conversion.md's best recipe against the levers it measures at 61k tokens, SmolLM2-135M-Instruct
 # made ternary with 61,440 tokens per arm, as sweeps/convert.py trains it. The teacher's own text
 # must be written first (data/smollm2-teacher: 61,440 train tokens of LLM-QAT style text, held-out
 # documents from other seeds), and its chat answers (data/smollm2-answers: its answers of at
