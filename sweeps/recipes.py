@@ -1,5 +1,5 @@
-# docs/conversion.md's best recipe against the levers it measures at 61k tokens, SmolLM2-135M-Instruct
-# made ternary with 61,440 tokens per arm, as sweeps/convert.py trains it. The teacher's own text
+# docs/conversion.md's best recipe against the levers it measures at 61k tokens: SmolLM2-135M-
+# Instruct made ternary with 61,440 tokens per arm, as sweeps/convert.py trains it. The teacher's own text
 # must be written first (data/smollm2-teacher: 61,440 train tokens of LLM-QAT style text, held-out
 # documents from other seeds), and its chat answers (data/smollm2-answers: its answers of at
 # most 160 tokens to the first 600 questions of Natural Questions, which eval.py's request
