@@ -33,16 +33,40 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 
-def weight_quant(w, per_row=False):
+# weights per scale block (weight_scale='block'): llama.cpp's TQ1_0/TQ2_0 store one scale
+# per 256 weights of a row, as kernels.py's packed layout cuts rows into blocks of 256
+BLOCK = 256
+
+
+def weight_quant(w, scales='matrix'):
     """absmean: W_q = round(W / gamma) clipped to {-1, 0, 1}; gamma = mean|W| (fp32,
-    clamped), one per matrix (shape ()), or one per output row (N, 1): finer scales, as
-    ParetoQ (Liu et al. 2025) learns per channel, at no cost to the kernels, which take
-    one scale per row."""
+    clamped), one per matrix (shape ()), one per output row (N, 1), or one per row and
+    block of 256 columns (N, K/256): finer scales, as ParetoQ (Liu et al. 2025) learns
+    per channel; llama.cpp's ternary types store one scale per block of 256."""
     magnitudes = w.float().abs()
-    mean = magnitudes.mean(-1, keepdim=True) if per_row else magnitudes.mean()
+    if scales == 'matrix':
+        mean = magnitudes.mean()
+    elif scales == 'row':
+        mean = magnitudes.mean(-1, keepdim=True)
+    else:
+        mean = magnitudes.unflatten(-1, (-1, BLOCK)).mean(-1)
     gamma = mean.clamp(min=1e-5)  # a clamp on the mean, not an added epsilon
-    w_q = (w.float() / gamma).round_().clamp_(-1, 1)  # zero exactly when |w| < gamma / 2
+    # zero exactly when |w| < gamma / 2
+    w_q = (w.float() / per_weight(gamma, w.shape[-1])).round_().clamp_(-1, 1)
     return w_q, gamma
+
+
+def per_weight(gamma, K):
+    """gamma () or (N, 1) as it is; (N, K/256) repeated along K to (N, K): a shape that
+    broadcasts against the weights."""
+    if gamma.dim() < 2 or gamma.shape[1] == 1:
+        return gamma
+    return gamma.repeat_interleave(K // gamma.shape[1], dim=1)
+
+
+def dequantize(w_q, gamma):
+    """gamma * W_q, the ternary weights as numbers, for any of weight_quant's scales."""
+    return w_q * per_weight(gamma, w_q.shape[-1])
 
 
 def activation_quant(x):
@@ -101,7 +125,7 @@ class BitLinear(nn.Linear):
         self.ternary = True  # lam == 1: the int8 path
         self.lrc_u = self.lrc_v = None  # the optional low-rank correction, see add_lrc
         self.rms_norm = None  # the optional norm of its input, see add_input_norms
-        self.row_scales = False  # one gamma per output row, not one per matrix
+        self.scales = 'matrix'  # gamma per 'matrix', 'row' or 'block' (weight_quant)
         self.quantized = self.quantized_from = None  # see quantized_weight
         self.by_definition = False  # forward runs `reference` (use_reference)
 
@@ -120,12 +144,12 @@ class BitLinear(nn.Linear):
         steps. Compiled, the quantizer is traced into the graph instead."""
         w = self.weight
         if torch.compiler.is_compiling():
-            w_q, gamma = weight_quant(w.detach(), self.row_scales)
+            w_q, gamma = weight_quant(w.detach(), self.scales)
             return w_q.to(torch.int8), gamma
         key = (w.data_ptr(), w._version, w.device, w.dtype, optimizer_steps)
         known = self.quantized_from is not None and self.quantized_from[0]() is w
         if not known or self.quantized_from[1] != key:
-            w_q, gamma = weight_quant(w.detach(), self.row_scales)
+            w_q, gamma = weight_quant(w.detach(), self.scales)
             self.quantized = (w_q.to(torch.int8), gamma)
             self.quantized_from = (weakref.ref(w), key)
         return self.quantized
@@ -138,14 +162,14 @@ class BitLinear(nn.Linear):
         next quantizer turns into other int8 codes now and then: 200 steps later such
         loss curves were 0.1-0.2 apart (bench.py curve). So the fast path equals the
         definition."""
-        w_q, gamma = weight_quant(self.weight.detach(), self.row_scales)
+        w_q, gamma = weight_quant(self.weight.detach(), self.scales)
         x_q, s = activation_quant(x.detach())
         # lerp is exact at lam = 1
-        w = ste(self.weight, torch.lerp(self.weight.float(), w_q * gamma, self.lam))
+        w = ste(self.weight, torch.lerp(self.weight.float(), dequantize(w_q, gamma), self.lam))
         y = F.linear(ste(x, torch.lerp(x.float(), x_q / s, self.lam)), w, self.bias)
         if self.ternary:
             with torch.autocast(x.device.type, enabled=False):  # exact, not rounded to bf16
-                exact = F.linear(x_q, w_q) * (gamma.reshape(-1) / s)
+                exact = scaled_product(F.linear, x_q, s, w_q, gamma)
             y = ste(y, exact if self.bias is None else exact + self.bias)
         return y.to(autocast_dtype(x.device.type) or x.dtype)
 
@@ -183,6 +207,22 @@ def int8_matmul(a, b):
         return a.float() @ b.float().t()
 
 
+def scaled_product(matmul, x_q, s, w_q, gamma):
+    """The ternary product (x_q @ W_q^T) * gamma / s from the integer codes, `matmul`
+    exact (int8_matmul, or F.linear without autocast). gamma () or (N, 1): one product,
+    scaled. gamma (N, K/256): each block of 256 columns' product, scaled by its gammas,
+    and the blocks added in order, first to last (kernels.py adds them so too: the same
+    bits)."""
+    if gamma.dim() < 2 or gamma.shape[1] == 1:
+        # in place: the matmul's own fresh output; gamma as a row
+        return matmul(x_q, w_q).mul_(gamma.reshape(-1) / s)
+    y = None
+    for b, (x_b, w_b) in enumerate(zip(x_q.split(BLOCK, -1), w_q.split(BLOCK, -1))):
+        part = matmul(x_b.contiguous(), w_b).mul_(gamma[:, b] / s)
+        y = part if y is None else y.add_(part)
+    return y
+
+
 def autocast_dtype(device_type):
     """The dtype autocast runs matmuls in on this device, or None outside autocast."""
     if torch.is_autocast_enabled(device_type):
@@ -206,7 +246,7 @@ class BitLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, lam, ternary, w_q, gamma):
-        """w_q (N, K) int8 and gamma () or (N, 1): the weight quantized
+        """w_q (N, K) int8 and gamma (), (N, 1) or (N, K/256): the weight quantized
     (BitLinear.quantized_weight)."""
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
         x_q, s = quantize_activations(x2)  # (M, K), (M, 1)
@@ -217,13 +257,12 @@ class BitLinearFunction(torch.autograd.Function):
             x_int8 = x_q.to(torch.int8)
             ctx.save_for_backward(x_int8, s, w_q, gamma)
             # without int8 units the fp32 codes go to the fp32 matmul as they are
-            y = int8_matmul(x_int8 if has_int8_units(x) else x_q, w_q)  # (M, N)
-            # in place: y is the matmul's own fresh output; gamma () or (N, 1) as a row
-            y = y.mul_(gamma.reshape(-1) / s)
+            codes = x_int8 if has_int8_units(x) else x_q
+            y = scaled_product(int8_matmul, codes, s, w_q, gamma)  # (M, N)
             y = y if bias is None else y + bias
         else:
             x_f = torch.lerp(x2.float(), x_q / s, lam)
-            w_f = torch.lerp(weight.float(), w_q * gamma, lam)
+            w_f = torch.lerp(weight.float(), dequantize(w_q, gamma), lam)
             ctx.save_for_backward(x_f, w_f)
             y = F.linear(x_f, w_f, bias)
         return y.to(ctx.dtype).view(*x.shape[:-1], y.shape[-1])  # no -1: M may be 0
@@ -235,7 +274,8 @@ class BitLinearFunction(torch.autograd.Function):
             x_q, s, w_q, gamma = ctx.saved_tensors
             # divide in fp32: in fp16 a token with max|x| < 1.9e-3 has s > 65504 = inf,
             # and x_q / s = 0
-            x_f, w_f = (x_q / s).to(g.dtype), w_q * gamma.to(g.dtype)  # int8 * gamma: one pass
+            x_f = (x_q / s).to(g.dtype)
+            w_f = dequantize(w_q, gamma.to(g.dtype))  # int8 * gamma: one pass
         else:
             x_f, w_f = (t.to(g.dtype) for t in ctx.saved_tensors)
         grad_x = (g @ w_f).view(*grad_y.shape[:-1], w_f.shape[-1])
@@ -264,18 +304,21 @@ class SubLN(nn.RMSNorm):
         return torch.lerp(x, super().forward(x), self.lam.to(x.dtype))
 
 
-def convert_to_bitnet(module, eps=1e-5, targets=TARGETS, row_scales=False):
+def convert_to_bitnet(module, eps=1e-5, targets=TARGETS, scales='matrix'):
     """In place: swap the nn.Linear children named in `targets` for BitLinears with the
-    same weights (one gamma per row with row_scales), and turn Identity `attn_sub_norm` /
+    same weights (gamma per `scales`, see weight_quant), and turn Identity `attn_sub_norm` /
     `ffn_sub_norm` slots into SubLNs."""
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if name in targets and type(child) is nn.Linear:
+                if scales == 'block' and child.in_features % BLOCK:
+                    raise ValueError(f"{name} has {child.in_features} inputs, no multiple "
+                                     f"of {BLOCK}: use weight_scale='row', not 'block'")
                 w = child.weight
                 bit = BitLinear(child.in_features, child.out_features,
                                 child.bias is not None, w.device, w.dtype)
                 bit.weight, bit.bias = child.weight, child.bias
-                bit.row_scales = row_scales
+                bit.scales = scales
                 setattr(parent, name, bit)
         for norm, proj in (('attn_sub_norm', 'o_proj'), ('ffn_sub_norm', 'down_proj')):
             if isinstance(getattr(parent, norm, None), nn.Identity):
@@ -333,8 +376,8 @@ def add_lrc(module, rank):
     gradient is proportional to the other.)"""
     for m in module.modules():
         if isinstance(m, BitLinear):
-            w_q, gamma = weight_quant(m.weight, m.row_scales)
-            residual = m.weight.detach().float() - gamma * w_q
+            w_q, gamma = weight_quant(m.weight, m.scales)
+            residual = m.weight.detach().float() - dequantize(w_q, gamma)
             U, S, Vh = torch.linalg.svd(residual, full_matrices=False)
             # split the singular values evenly between the factors
             root = S[:rank].sqrt()
@@ -385,13 +428,17 @@ class PackedBitLinear(nn.Module):
     that file is there (else the HF one); the state dict is transformers' offline
     format: `weight` uint8 (ceil(out/4), in) in the HF layout, `weight_scale`
     (1,) = gamma, and `bias / gamma`, as its offline AutoBitLinear scales its output,
-    bias included: (x_q @ W_q^T / s + bias) * gamma."""
+    bias included: (x_q @ W_q^T / s + bias) * gamma. (Our own formats: gamma (N,) per
+    row; (N, K/256) per row and block, with the bias as it is.)"""
 
     def __init__(self, w_q, gamma, bias=None):
         super().__init__()
         self.out_features, self.in_features = w_q.shape
         self.register_buffer('weight', pack(w_q) if has_kernels else pack_hf(w_q))
-        self.register_buffer('weight_scale', gamma.float().reshape(-1))  # (1,) or (N,)
+        # (1,) per matrix, (N,) per row, (N, K/256) per row and block
+        if gamma.dim() < 2 or gamma.shape[1] == 1:
+            gamma = gamma.reshape(-1)
+        self.register_buffer('weight_scale', gamma.float())
         self.bias = bias
         self.lrc_u = self.lrc_v = None
         self.rms_norm = None
@@ -404,9 +451,10 @@ class PackedBitLinear(nn.Module):
         if has_kernels:
             return ternary_linear(x, self.weight, self.weight_scale)
         # the same numbers: fp32 sums of integers below 2^24 are exact
-        x_q, s = activation_quant(x)
-        y = F.linear(x_q, self.w_q().float()) * (self.weight_scale.float() / s)
-        return y.to(x.dtype)
+        x_q, s = activation_quant(x.reshape(-1, self.in_features))
+        gamma = self.weight_scale.float()
+        y = scaled_product(F.linear, x_q, s, self.w_q().float(), gamma)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def forward(self, x):
         if self.rms_norm is not None:
@@ -424,7 +472,9 @@ class PackedBitLinear(nn.Module):
         super()._save_to_state_dict(dest, prefix, keep_vars)
         if has_kernels:  # files hold the HF layout, whatever layout the kernels read
             dest[prefix + 'weight'] = pack_hf(self.w_q())
-        if self.bias is not None:
+        # transformers' offline bias is divided by the one gamma of its row; block scales
+        # (our own format) keep it as it is
+        if self.bias is not None and self.weight_scale.dim() == 1:
             dest[prefix + 'bias'] = self.bias.detach() / self.weight_scale
 
     def _load_from_state_dict(self, sd, prefix, *args):
@@ -432,7 +482,7 @@ class PackedBitLinear(nn.Module):
         hf_shape = (-(-self.out_features // 4), self.in_features)
         if has_kernels and w is not None and w.shape == hf_shape:
             sd[prefix + 'weight'] = pack(unpack_hf(w, self.out_features))
-        if b is not None and gamma is not None:
+        if b is not None and gamma is not None and gamma.dim() == 1:
             sd[prefix + 'bias'] = b * gamma
         super()._load_from_state_dict(sd, prefix, *args)
 
@@ -451,8 +501,10 @@ class PackedFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         m, g = ctx.layer, grad_y.reshape(-1, grad_y.shape[-1])  # (M, N)
-        gamma = m.weight_scale.to(g.dtype).view(-1, 1)  # (1, 1) or (N, 1)
-        grad_x = g @ (m.w_q().to(g.dtype) * gamma)  # (M, K)
+        gamma = m.weight_scale.to(g.dtype)
+        if gamma.dim() == 1:
+            gamma = gamma.view(-1, 1)  # (1, 1) or (N, 1)
+        grad_x = g @ dequantize(m.w_q().to(g.dtype), gamma)  # (M, K)
         return grad_x.view(*grad_y.shape[:-1], -1), None
 
 
@@ -463,7 +515,7 @@ def freeze(module):
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, BitLinear):
-                w_q, gamma = weight_quant(child.weight, child.row_scales)
+                w_q, gamma = weight_quant(child.weight, child.scales)
                 packed = PackedBitLinear(w_q, gamma, child.bias)
                 packed.lrc_u, packed.lrc_v = child.lrc_u, child.lrc_v
                 packed.rms_norm = child.rms_norm

@@ -295,7 +295,9 @@ def fuse(model):
             continue
         w = torch.cat([p.weight for p in parts])
         rows = [p.out_features for p in parts]
-        gamma = torch.cat([p.weight_scale.expand(n) for p, n in zip(parts, rows)])
+        # one gamma per row (or per row and block) for the fused matrix
+        gamma = torch.cat([p.weight_scale.expand(n, *p.weight_scale.shape[1:])
+                           for p, n in zip(parts, rows)])
         module.use_fused(fused_call(w, gamma, rows))
         for p, view in zip(parts, w.split(rows)):
             p.register_buffer('weight', view)  # the same bytes, now inside w

@@ -27,7 +27,7 @@ import struct
 
 import torch
 
-from bitlinear import unpack_hf, weight_quant
+from bitlinear import dequantize, unpack_hf, weight_quant
 from model import rope_frequencies
 from tokenizer import (DIGITS_PATTERN, GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN,
                        byte_alphabet)
@@ -36,10 +36,11 @@ from tokenizer import (DIGITS_PATTERN, GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTE
 
 
 def with_d(blocks, gamma, d_first=False):
-    """(N, nb, bytes) uint8 blocks -> (N, nb * (bytes + 2)):
-    fp16 gamma after (or before) each."""
-    d = gamma.half().reshape(-1, 1, 1).expand(*blocks.shape[:2], 1)  # one, or one per row
-    d = d.contiguous().view(torch.uint8)
+    """(N, nb, bytes) uint8 blocks -> (N, nb * (bytes + 2)): fp16 gamma after (or
+    before) each. gamma (1, 1), (N, 1) per row, or (N, K/256) per row and 256 columns."""
+    N, nb = blocks.shape[:2]
+    d = gamma.half().repeat_interleave(nb // gamma.shape[1], dim=1)  # one per block
+    d = d.expand(N, nb).unsqueeze(-1).contiguous().view(torch.uint8)
     return torch.cat([d, blocks] if d_first else [blocks, d], -1).flatten(1)
 
 
@@ -81,7 +82,7 @@ def pack_q8_0(w_q, gamma):
 
 
 def pack_f16(w_q, gamma):
-    return (w_q.to(torch.float16) * gamma.to(torch.float16)).view(torch.uint8)
+    return dequantize(w_q.to(torch.float16), gamma.to(torch.float16)).view(torch.uint8)
 
 
 def quantize_q8_0(w):
@@ -208,8 +209,9 @@ def save_gguf(path, state_dict, cfg, vocab, ternary='tq2_0', dtype=torch.float32
             if v.dtype == torch.uint8:  # packed: the 2-bit codes and their stored gamma
                 w_q, gamma = unpack_hf(v, rows[module]), state_dict[k + '_scale']
             else:
-                w_q, gamma = weight_quant(v, cfg.weight_scale == 'row')
-            gamma = gamma.reshape(-1, 1)  # (1, 1), or (N, 1) per row
+                w_q, gamma = weight_quant(v, cfg.weight_scale)
+            if gamma.dim() < 2:
+                gamma = gamma.reshape(-1, 1)  # (1, 1), or (N, 1) per row
             # the asked type if the row length fits its blocks,
             # else the next one that does
             fits = [TERNARY[t] for t in (ternary, 'q8_0', 'f16')]

@@ -111,8 +111,10 @@ def quantize(x, levels=127):
 
 # ------------------------------------------------------- 1. reference, 2. torch.compile
 # Each implementation is the whole op: float activations (M, K), packed weights, gamma
-# (1,) or one per weight row (N,; fused matrices) -> float (M, N). Quantize, integer
+# (1,), one per weight row (N,; fused matrices, weight_scale='row'), or one per row and
+# block of 256 columns (N, K/256; weight_scale='block') -> float (M, N). Quantize, integer
 # matmul, then one fp multiply: float(acc) * (gamma / s), acc exact in fp32 (below 2^24).
+# With block scales each block's product is scaled so, and the blocks are added in order.
 
 def _linear(mm, x, w, gamma):
     # int8 rows (an LM head) take int16 activations; sums exact in fp64
@@ -121,7 +123,14 @@ def _linear(mm, x, w, gamma):
         acc = x_q.double() @ w[:, :x.shape[1]].double().T
         return acc.float() * (gamma.float() / s)
     x_q, s = quantize(x)
-    return mm(x_q, w).float() * (gamma.float() / s)
+    if gamma.dim() < 2:
+        return mm(x_q, w).float() * (gamma.float() / s)
+    y = None
+    for b in range(gamma.shape[1]):  # block b: columns 256b.., bytes 64b.. of each row
+        acc = mm(x_q[:, BLOCK * b:BLOCK * (b + 1)], w[:, BLOCK // 4 * b:BLOCK // 4 * (b + 1)])
+        part = acc.float() * (gamma[:, b].float() / s)
+        y = part if y is None else y + part
+    return y
 
 
 def _mm_double(x_q, w):
@@ -217,17 +226,18 @@ AVX2 inline int32_t hsum(__m256i a) {
   return _mm_cvtsi128_si32(_mm_hadd_epi32(s, s));
 }
 
-// MR tokens x NR rows over all of K, into acc (MR x NR);
-// a lone row keeps U = 4 blocks in flight
+// MR tokens x NR rows over columns k0 to k1 (all of K, or one block's scale), into acc
+// (MR x NR); a lone row keeps U = 4 blocks in flight
 #define TILE(name, isa, vec, block)                                             \
   template <int MR, int NR>                                                     \
-  isa void name(const int8_t* x, const uint8_t* w, int64_t Kp, int32_t* acc) {  \
+  isa void name(const int8_t* x, const uint8_t* w, int64_t Kp, int64_t k0,      \
+                int64_t k1, int32_t* acc) {                                     \
     constexpr int U = NR == 1 ? 4 : 1;                                          \
     vec a[U][MR][NR] = {};                                                      \
-    int64_t k = 0;                                                              \
-    for (; k + 256 * U <= Kp; k += 256 * U)                                     \
+    int64_t k = k0;                                                             \
+    for (; k + 256 * U <= k1; k += 256 * U)                                     \
       for (int u = 0; u < U; u++) block<MR, NR>(x, w, Kp, k + 256 * u, a[u]);   \
-    for (; k < Kp; k += 256) block<MR, NR>(x, w, Kp, k, a[0]);                  \
+    for (; k < k1; k += 256) block<MR, NR>(x, w, Kp, k, a[0]);                  \
     for (int m = 0; m < MR; m++)                                                \
       for (int n = 0; n < NR; n++) {                                            \
         int32_t s = 0;                                                          \
@@ -238,7 +248,7 @@ AVX2 inline int32_t hsum(__m256i a) {
 TILE(tile_vnni, VNNI, __m512i, block_vnni)
 TILE(tile_avx2, AVX2, __m256i, block_avx2)
 
-using Tile = void (*)(const int8_t*, const uint8_t*, int64_t, int32_t*);
+using Tile = void (*)(const int8_t*, const uint8_t*, int64_t, int64_t, int64_t, int32_t*);
 #define TILES(f, NR) {f<1, NR>, f<2, NR>, f<3, NR>, f<4, NR>}
 static const Tile tiles[2][2][4] = {{TILES(tile_avx2, 1), TILES(tile_avx2, 4)},
                                     {TILES(tile_vnni, 1), TILES(tile_vnni, 4)}};
@@ -251,8 +261,9 @@ int64_t simd() {  // 2: AVX-512 VNNI, 1: AVX2, 0: neither (use another path)
 
 // absmax per token, then x_q = round(x * s), exactly as kernels.quantize does (torch
 // evaluates 127 / t as (1 / t) * 127 and rounds half to even, as cvtps does), so every
-// path agrees bit for bit; the saturating packs to int8 are the clamp to [-128, 127]
-AVX2 float quantize(const float* x, int64_t K, int8_t* q, int32_t* sum) {
+// path agrees bit for bit; the saturating packs to int8 are the clamp to [-128, 127].
+// sums: sum x_q of each block of 256 columns
+AVX2 float quantize(const float* x, int64_t K, int8_t* q, int32_t* sums) {
   __m256 m = _mm256_setzero_ps();
   const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   int64_t k = 0;
@@ -275,12 +286,17 @@ AVX2 float quantize(const float* x, int64_t K, int8_t* q, int32_t* sum) {
                                    _mm256_packs_epi32(i[2], i[3]));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     _mm256_storeu_si256((__m256i*)(q + k), _mm256_permutevar8x32_epi32(b, order));
+    if ((k + 32) % 256 == 0) {  // a block ends
+      sums[k / 256] = hsum(total);
+      total = _mm256_setzero_si256();
+    }
   }
-  *sum = hsum(total);
+  int32_t rest = hsum(total);  // the last block, when K is no multiple of 256
   for (; k < K; k++) {
     q[k] = (int8_t)std::min(std::max(std::nearbyint(x[k] * s), -128.0f), 127.0f);
-    *sum += q[k];
+    rest += q[k];
   }
+  if (K % 256) sums[K / 256] = rest;
   return s;
 }
 
@@ -290,14 +306,21 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma, int6
   auto xf = x.to(torch::kFloat).contiguous();
   // zero-padded to whole blocks
   auto xq = torch::zeros({M, Kp}, x.options().dtype(torch::kChar));
-  std::vector<int32_t> S(M);  // sum q x = sum c x - sum x
+  const int64_t nb = Kp / 256;
+  std::vector<int32_t> S(M * nb);  // sum x per block: sum q x = sum c x - sum x
   std::vector<float> s(M);
   for (int64_t m = 0; m < M; m++)
-    s[m] = quantize(xf.data_ptr<float>() + m * K, K, xq.data_ptr<int8_t>() + m * Kp, &S[m]);
-  // one gamma, or one per row (fused matrices)
+    s[m] = quantize(xf.data_ptr<float>() + m * K, K, xq.data_ptr<int8_t>() + m * Kp, &S[m * nb]);
+  // one gamma, one per row (fused matrices), or one per row and block of 256 columns: each
+  // group of columns with its own gamma is a product of its own, and they add in order
   auto g = gamma.to(torch::kFloat).contiguous();
   const float* G = g.data_ptr<float>();
   const int64_t gs = g.numel() > 1;
+  const int64_t groups = g.dim() == 2 ? g.size(1) : 1;
+  const int64_t width = Kp / groups;
+  std::vector<int32_t> Sg(M * groups);  // sum x per token and group
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t j = 0; j < nb; j++) Sg[m * groups + j * groups / nb] += S[m * nb + j];
   auto y = torch::empty({M, N}, xf.options());
   const int8_t* X = xq.data_ptr<int8_t>();
   const uint8_t* W = w.data_ptr<uint8_t>();
@@ -313,11 +336,17 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma, int6
       for (int64_t m = 0; m < M; m += 4) {
         int mr = std::min<int64_t>(4, M - m);
         int32_t acc[16];
-        tiles[isa - 1][nr == 4][mr - 1](X + m * Kp, W + n * Kp / 4, Kp, acc);
-        for (int i = 0; i < mr; i++)
-          for (int j = 0; j < nr; j++)
-            Y[(m + i) * N + n + j] =
-                float(acc[i * nr + j] - S[m + i]) * (G[gs * (n + j)] / s[m + i]);
+        for (int64_t b = 0; b < groups; b++) {
+          tiles[isa - 1][nr == 4][mr - 1](X + m * Kp, W + n * Kp / 4, Kp, width * b,
+                                          width * (b + 1), acc);
+          for (int i = 0; i < mr; i++)
+            for (int j = 0; j < nr; j++) {
+              const float scale = G[gs * ((n + j) * groups + b)] / s[m + i];
+              const float part = float(acc[i * nr + j] - Sg[(m + i) * groups + b]) * scale;
+              float& y = Y[(m + i) * N + n + j];
+              y = b == 0 ? part : y + part;
+            }
+        }
       }
     }
   });
@@ -600,6 +629,8 @@ def unpacked_bytes():
 def linear_cuda(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
     if w.dtype == torch.int8:  # int8 rows: _linear's exact product
         return _linear(_mm_double, x, w, gamma)
+    if gamma.dim() == 2:  # these kernels take one gamma per row; block scales compile
+        return linear_compile(x, w, gamma)
     if x.shape[0] <= 16:
         return cuda_extension().gemv(x, w.contiguous(), gamma)
     # prefill is compute-bound: cuBLAS on the int8 tensor cores
@@ -663,13 +694,17 @@ def choose(device_type):
 
 def ternary_linear(x, w, gamma, impl=None):
     """y = (x_q @ W_q^T) * gamma / s: x (..., K) float, w packed (N, Kp/4) (or int8 rows
-    (N, Kp), pack_int8), gamma (1,) or (N,) -> (..., N) in x's dtype, by `impl`
-    (one of IMPLS) or the fastest available."""
+    (N, Kp), pack_int8), gamma (1,), (N,) or (N, K/256) (a gamma per row and block of
+    256 columns) -> (..., N) in x's dtype, by `impl` (one of IMPLS) or the fastest
+    available."""
     K, Kp = x.shape[-1], w.shape[1] * (1 if w.dtype == torch.int8 else 4)
     if not 0 <= Kp - K < BLOCK:
         raise ValueError(f"activations have K={K} but the weights were packed for "
                          f"K={Kp - BLOCK + 1}..{Kp}; "
                          f"pack W_q of shape (N, {K}) with kernels.pack")
+    if gamma.dim() == 2 and gamma.shape[1] * BLOCK != K:
+        raise ValueError(f"{gamma.shape[1]} gammas per row for K={K}; block scales need "
+                         f"one per {BLOCK} columns and K a multiple of {BLOCK}")
     if torch.compiler.is_compiling():
         fn = OPS[impl or 'best']
     else:

@@ -71,7 +71,8 @@ class ModelConfig:
     bitnet: bool = False         # attention/MLP linears are ternary BitLinear
     linear_norm: bool = False    # ... each with an RMSNorm on its input (BitDistill's;
                                  # transformers' use_rms_norm)
-    weight_scale: str = 'matrix'  # ... gamma per 'matrix' or per output 'row'
+    weight_scale: str = 'matrix'  # ... gamma per 'matrix', per output 'row', or per row
+                                  # and 'block' of 256 inputs (widths multiples of 256)
     lrc_rank: int = 0            # rank of the low-rank correction on each BitLinear
                                  # (0: none)
     packed: bool = False         # BitLinears frozen to 2-bit PackedBitLinears
@@ -104,8 +105,15 @@ class ModelConfig:
             if getattr(self, switch) != value:
                 raise ValueError(f"family={self.family!r} has {switch}={value}; "
                                  f"set it so or pick another family")
-        if self.weight_scale not in ('matrix', 'row'):
-            raise ValueError(f"weight_scale={self.weight_scale!r}; use 'matrix' or 'row'")
+        if self.weight_scale not in ('matrix', 'row', 'block'):
+            raise ValueError(f"weight_scale={self.weight_scale!r}; "
+                             "use 'matrix', 'row' or 'block'")
+        hidden = self.moe_intermediate_size if self.n_experts else self.intermediate_size
+        inputs = {self.n_embd, self.n_head * self.head_dim, hidden}  # of q, o and down_proj
+        if self.weight_scale == 'block' and any(k % 256 for k in inputs):
+            raise ValueError(f"weight_scale='block' needs every linear's input width a "
+                             f"multiple of 256, and this model's are "
+                             f"{sorted(inputs)}: use 'row'")
         if self.sliding_window and self.family != 'mistral':
             raise ValueError("sliding_window is Mistral's; set family='mistral' or "
                              "sliding_window=0")
@@ -302,8 +310,7 @@ class Transformer(nn.Module):
         def block():
             if not pack:
                 return Block(cfg)
-            rows = cfg.weight_scale == 'row'
-            ternary = convert_to_bitnet(Block(cfg), cfg.norm_eps, row_scales=rows)
+            ternary = convert_to_bitnet(Block(cfg), cfg.norm_eps, scales=cfg.weight_scale)
             if cfg.linear_norm:
                 add_input_norms(ternary, cfg.norm_eps)
             return freeze(ternary)
@@ -338,11 +345,11 @@ class Transformer(nn.Module):
         """Swap every attention/MLP linear for a ternary BitLinear and insert SubLN (and,
         with linear_norm, an RMSNorm before every BitLinear): gain 1, or, given a few
         batches of token ids `calib` (a pretrained model), gains calibrated on them.
-        weight_scale: 'matrix' or 'row' (None: the config's)."""
+        weight_scale: 'matrix', 'row' or 'block' (None: the config's)."""
         cfg = self.config
         cfg.weight_scale = weight_scale or cfg.weight_scale
         cfg.__post_init__()  # checks weight_scale
-        convert_to_bitnet(self.layers, cfg.norm_eps, row_scales=cfg.weight_scale == 'row')
+        convert_to_bitnet(self.layers, cfg.norm_eps, scales=cfg.weight_scale)
         self.config.linear_norm = self.config.linear_norm or linear_norm
         if self.config.linear_norm:
             add_input_norms(self.layers, self.config.norm_eps)

@@ -103,7 +103,8 @@ bitnet = True          # ternary attention/MLP linears with SubLN; False: the fp
 lambda_warmup = 0.0    # fraction of max_steps over which quantization ramps from 0 to 1
 subln_calib = 4        # converting a pretrained model: batches that calibrate SubLN
 linear_norm = False    # an RMSNorm before every BitLinear too (BitDistill's)
-weight_scale = 'matrix'  # ternary weights' gamma: one per 'matrix' or per output 'row'
+weight_scale = 'matrix'  # ternary weights' gamma: one per 'matrix', per output 'row', or
+                         # per row and 'block' of 256 inputs (widths multiples of 256)
 lrc_rank = 0           # low-rank correction adapters on every BitLinear (0: none)
 # mixture of experts (moe.py): n_experts > 0 makes every MLP one; a dense init_from is
 # upcycled (its MLP copied into each expert). Router losses: objectives['router']
@@ -168,7 +169,7 @@ ranges = {'eval_interval': 'positive', 'eval_iters': 'positive', 'log_interval':
           'block_size': 'positive', 'gradient_accumulation_steps': 'positive',
           'n_layer': 'positive', 'n_embd': 'positive', 'n_head': 'positive',
           'n_kv_head': 'positive', 'intermediate_size': 'positive', 'act': ('silu', 'relu2'),
-          'weight_scale': ('matrix', 'row'),
+          'weight_scale': ('matrix', 'row', 'block'),
           'rope_theta': 'positive', 'lambda_warmup': 'fraction', 'subln_calib': 'positive',
           'lrc_rank': 'non-negative', 'lora_rank': 'non-negative', 'lora_alpha': 'positive',
           'blend': ('switch', 'linear', 'cosine'), 'teacher_top_k': 'positive',

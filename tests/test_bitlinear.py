@@ -385,9 +385,9 @@ def test_the_weight_is_quantized_once_per_value(monkeypatch):
     import bitlinear
     calls = []
 
-    def counted(w, per_row=False):
+    def counted(w, scales='matrix'):
         calls.append(w.shape)
-        return weight_quant(w, per_row)
+        return weight_quant(w, scales)
     monkeypatch.setattr(bitlinear, 'weight_quant', counted)
     torch.manual_seed(0)
     layer = BitLinear(64, 32)
@@ -428,36 +428,45 @@ def test_the_fused_activation_quantizer_gives_the_same_codes():
 
 # ------------------------------------------------------------------ one gamma per output row
 
+def converted(linear, scales):
+    """`linear` as the BitLinear convert_to_bitnet makes of a q_proj."""
+    layer = convert_to_bitnet(nn.ModuleDict({'q_proj': linear}), scales=scales)['q_proj']
+    assert isinstance(layer, BitLinear) and layer.scales == scales
+    return layer
+
+
 def test_row_scales_are_each_rows_absmean_and_reduce_to_the_matrix_scale_when_equal():
     torch.manual_seed(0)
     w = torch.randn(6, 32)
-    w_q, gamma = weight_quant(w, per_row=True)
+    w_q, gamma = weight_quant(w, 'row')
     for r in range(6):  # each row on its own, by the per-matrix quantizer
         assert torch.equal(weight_quant(w[r:r + 1])[0], w_q[r:r + 1]) and gamma[r, 0] == weight_quant(w[r:r + 1])[1]
     # rows of the same magnitudes in other orders and signs: every row's mean is the matrix's, exactly
-    base = torch.tensor([2.0 ** -k for k in range(32)])
+    base = torch.tensor([2.0 ** -(k % 8) for k in range(32)])  # sums exact in fp32
     w = torch.stack([base[torch.randperm(32)] * torch.sign(torch.randn(32)) for _ in range(6)])
     layers = {}
-    for rows in (False, True):
-        layers[rows] = convert_to_bitnet(nn.Sequential(nn.Linear(32, 6, bias=False)), row_scales=rows)[0]
-        layers[rows].weight.data.copy_(w)
+    for scales in ('matrix', 'row'):
+        layers[scales] = converted(nn.Linear(32, 6, bias=False), scales)
+        layers[scales].weight.data.copy_(w)
     x = torch.randn(5, 32, requires_grad=True)
-    assert torch.equal(layers[True](x), layers[False](x))
+    assert torch.equal(layers['row'](x), layers['matrix'](x))
 
 
 @pytest.mark.parametrize('lam', [0.5, 1.0])
-def test_row_scaled_function_is_bit_identical_to_its_reference_and_packs_bit_exactly(lam):
+@pytest.mark.parametrize('scales,K', [('row', 64), ('block', 768)])
+def test_finer_scaled_function_is_bit_identical_to_its_reference_and_packs_bit_exactly(lam, scales, K):
     import kernels
     from bitlinear import PackedBitLinear, freeze
     torch.manual_seed(1)
-    fast, ref = copies(7, 64, 40, True)
-    sizes = torch.rand(40, 1) * 4  # rows of very different sizes
+    fast, ref = copies(7, K, 40, True)
+    # rows (or blocks of 256 columns) of very different sizes
+    sizes = torch.rand(40, 1 if scales == 'row' else K // 256) * 4
     for layer in (fast, ref):
-        layer.row_scales = True
-        layer.weight.data *= sizes
+        layer.scales = scales
+        layer.weight.data *= sizes.repeat_interleave(K // sizes.shape[1], dim=1)
     set_lambda(fast, lam)
     set_lambda(ref, lam)
-    x = torch.randn(3, 24, 64) * 3
+    x = torch.randn(3, 24, K) * 3
     x1, x2 = (x.clone().requires_grad_() for _ in range(2))
     y1, y2 = fast(x1), ref.reference(x2)
     assert torch.equal(y1, y2)
@@ -468,11 +477,43 @@ def test_row_scaled_function_is_bit_identical_to_its_reference_and_packs_bit_exa
     if lam < 1:
         return
     packed = freeze(nn.Sequential(fast))[0]
-    assert isinstance(packed, PackedBitLinear) and packed.weight_scale.shape == (40,)
+    assert isinstance(packed, PackedBitLinear)
+    assert packed.weight_scale.shape == ((40,) if scales == 'row' else (40, K // 256))
     with torch.no_grad():
-        for impl in [i for i in ('torch', 'cpp') if i in kernels.IMPLS]:  # the integer kernels, bit-exact
+        for impl in ('reference', 'cpp'):  # the integer kernels, bit-exact
             y = kernels.ternary_linear(x, packed.weight, packed.weight_scale, impl) + packed.bias
             assert torch.equal(y, y1), impl
+        assert torch.equal(packed(x), y1)
+
+
+def test_block_scales_are_each_blocks_absmean_and_reduce_to_the_matrix_scale_when_equal():
+    """One gamma per row and block of 256 columns: each block quantized as a matrix of its own; when
+    every block's mean is the matrix's, the same codes and gamma, and the output within fp32 rounding
+    of one scale per matrix (the blocks' products are scaled, then added)."""
+    torch.manual_seed(0)
+    w = torch.randn(6, 768) * torch.rand(6, 768)
+    w_q, gamma = weight_quant(w, 'block')
+    assert gamma.shape == (6, 3)
+    for r in range(6):
+        for b in range(3):
+            block = w[r:r + 1, 256 * b:256 * (b + 1)]
+            assert torch.equal(weight_quant(block)[0], w_q[r:r + 1, 256 * b:256 * (b + 1)])
+            assert gamma[r, b] == weight_quant(block)[1]
+    base = torch.tensor([2.0 ** -(k % 8) for k in range(256)])  # sums exact in fp32
+    w = torch.cat([torch.stack([base[torch.randperm(256)] * torch.sign(torch.randn(256)) for _ in range(6)])
+                   for _ in range(3)], 1)
+    layers = {}
+    for scales in ('matrix', 'block'):
+        layers[scales] = converted(nn.Linear(768, 6, bias=False), scales)
+        layers[scales].weight.data.copy_(w)
+    assert torch.equal(weight_quant(w, 'block')[0], weight_quant(w)[0])
+    assert (weight_quant(w, 'block')[1] == weight_quant(w)[1]).all()
+    x = torch.randn(5, 768)
+    y_block, y_matrix = layers['block'](x), layers['matrix'](x)
+    # the blocks' products scaled, then added: at most the last bits differ
+    assert (y_block - y_matrix).abs().max() <= 4e-7 * y_matrix.abs().max()
+    with pytest.raises(ValueError, match="q_proj has 300 inputs, no multiple of 256: use weight_scale='row'"):
+        converted(nn.Linear(300, 6), 'block')
 
 
 def test_use_reference_runs_the_definition_and_back():

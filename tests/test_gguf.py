@@ -303,19 +303,22 @@ def test_an_export_scores_through_llama_cpp_as_the_checkpoint_does(trained, tmp_
 
 
 @pytest.mark.slow
-def test_llama_cpp_runs_a_model_with_a_scale_per_row(tmp_path):
-    """One gamma per output row goes in as each row's block scales d, in TQ2_0 (rows of 256 and 512) and
-    TQ1_0: llama.cpp agrees with our packed model as for one scale per matrix, and the per-row scales
-    matter (the export of the same weights with one scale per matrix does not agree)."""
+@pytest.mark.parametrize('scales', ['row', 'block'])
+def test_llama_cpp_runs_a_model_with_finer_scales(tmp_path, scales):
+    """One gamma per output row, or per row and block of 256 columns, goes in as the block scales d, in
+    TQ2_0 (rows of 256 and 512) and TQ1_0: llama.cpp agrees with our packed model as for one scale per
+    matrix, and the finer scales matter (the export of the same weights with one scale per matrix does
+    not agree)."""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=320, n_layer=2, n_embd=256, n_head=4, n_kv_head=2, intermediate_size=512,
-                      bitnet=True, weight_scale='row', bos_token_id=256, eos_token_id=256)
+                      bitnet=True, weight_scale=scales, bos_token_id=256, eos_token_id=256)
     model = Transformer(cfg)
     with torch.no_grad():
         model.embed_tokens.weight.normal_(0, 0.2)
         for name, p in model.named_parameters():
-            if name.endswith('proj.weight'):  # rows of very different sizes
-                p.mul_(torch.exp(torch.randn(p.shape[0], 1)))
+            if name.endswith('proj.weight'):  # rows (or blocks) of very different sizes
+                sizes = torch.exp(torch.randn(p.shape[0], 1 if scales == 'row' else p.shape[1] // 256))
+                p.mul_(sizes.repeat_interleave(p.shape[1] // sizes.shape[1], dim=1))
     enc = tokenizer.get_tokenizer('bytes')
     tokens = data.offline_corpus(enc)[1][:256].tolist()
     latent = {k: v.clone() for k, v in model.state_dict().items()}
@@ -325,7 +328,7 @@ def test_llama_cpp_runs_a_model_with_a_scale_per_row(tmp_path):
     for ternary in ('tq2_0', 'tq1_0'):
         export(ours, tmp_path / f'{ternary}.gguf', enc, ternary=ternary)
         diff, top1 = agreement(ours, tmp_path / f'{ternary}.gguf', tokens)
-        print(f"per-row scales, {ternary}: max |logit diff| {diff:.4f} of {size:.1f}, top-1 agreement {top1:.4f}")
+        print(f"{scales} scales, {ternary}: max |logit diff| {diff:.4f} of {size:.1f}, top-1 agreement {top1:.4f}")
         # llama.cpp quantizes down_proj's 512-wide input per block of 256, we per token
         assert top1 >= 0.99 and diff < 0.05 * size
     one_scale = ModelConfig(**{**vars(cfg), 'weight_scale': 'matrix'})

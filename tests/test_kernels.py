@@ -154,6 +154,41 @@ def test_per_row_gamma_and_int8_head(cpp, isa):
         assert ((want - fp).abs() <= bound).all()
 
 
+def block_scaled(x, w_q, gamma):
+    """The definition of block scales, computed apart: each block of 256 columns' exact product (int64)
+    times gamma / s in fp32, the blocks added first to last."""
+    x_q, s = kernels.quantize(x)
+    y = None
+    for b in range(gamma.shape[1]):
+        columns = slice(256 * b, 256 * (b + 1))
+        part = (x_q[:, columns].long() @ w_q[:, columns].long().T).float() * (gamma[:, b] / s)
+        y = part if y is None else y + part
+    return y
+
+
+@pytest.mark.parametrize('isa', [2, 1], ids=['avx512vnni', 'avx2'])
+def test_block_gamma_is_each_blocks_product_added_in_order(cpp, isa):
+    """One gamma per row and block of 256 columns (weight_scale='block'): the C++ kernel and the
+    reference sum each block's integer product, scale it and add the blocks in order, bit for bit as
+    computed apart, for decode and prefill tiles; with equal gammas, within fp32 rounding of one gamma."""
+    if isa > cpp.simd():
+        pytest.skip("this CPU lacks AVX-512 VNNI")
+    for M, N, K in ((1, 8, 256), (1, 13, 1280), (3, 7, 512), (5, 64, 1024), (17, 33, 768)):
+        g = torch.Generator().manual_seed(M * N * K)
+        x, w_q = torch.randn(M, K, generator=g) * 4, ternary(N, K)
+        x[0, :256] = 0  # a token's first block all zeros
+        gamma = torch.rand(N, K // 256, generator=g) + 0.01
+        want = block_scaled(x, w_q, gamma)
+        w = kernels.pack(w_q)
+        assert torch.equal(kernels.ternary_linear(x, w, gamma, impl='reference'), want), (M, N, K)
+        assert torch.equal(cpp.linear(x, w, gamma, isa), want), (M, N, K)
+        equal = torch.full((N, K // 256), 0.37)
+        one = cpp.linear(x, w, torch.tensor([0.37]), isa)
+        assert (cpp.linear(x, w, equal, isa) - one).abs().max() <= 1e-6 * one.abs().max()
+    with pytest.raises(ValueError, match="2 gammas per row for K=768; block scales need one per 256"):
+        kernels.ternary_linear(torch.randn(2, 768), kernels.pack(ternary(4, 768)), torch.ones(4, 2))
+
+
 def test_dispatch_uses_cpp_with_bf16_and_leading_dims(cpp):
     w_q = ternary(24, 200)
     x = torch.randn(2, 3, 200).bfloat16()
@@ -181,6 +216,9 @@ def test_compile_path_is_bit_identical_and_composes_with_torch_compile(cpp):
         x = torch.randn(M, K)
         assert torch.equal(kernels.ternary_linear(x, w, torch.tensor([0.3]), impl='compile'),
                            kernels.ternary_linear(x, w, torch.tensor([0.3]), impl='reference'))
+    # a gamma per row and block of 256 columns
+    x, w_q, gamma = torch.randn(3, 768), ternary(24, 768), torch.rand(24, 3) + 0.01
+    assert torch.equal(kernels.ternary_linear(x, kernels.pack(w_q), gamma, impl='compile'), block_scaled(x, w_q, gamma))
     # the C++ op inside a compiled graph: its fake implementation lets the whole graph trace
     layer = freeze(torch.nn.Sequential(BitLinear(64, 40)))[0]
     x = torch.randn(2, 7, 64)

@@ -178,14 +178,16 @@ def test_an_rms_norm_before_every_linear_keeps_lambda_0_and_opens_in_transformer
         gguf_export.save_gguf(str(tmp_path / 'm.gguf'), student.state_dict(), student.config, {})
 
 
-def test_a_model_with_a_scale_per_row_saves_under_our_own_type_and_packs(tmp_path):
+@pytest.mark.parametrize('scales,width', [('row', 64), ('block', 256)])
+def test_a_model_with_finer_scales_saves_under_our_own_type_and_packs(tmp_path, scales, width):
     torch.manual_seed(0)
-    ours = Transformer(ModelConfig(vocab_size=90, n_layer=2, n_embd=64, n_head=4, n_kv_head=2, intermediate_size=96,
-                                   bitnet=True, weight_scale='row')).eval()
+    ours = Transformer(ModelConfig(vocab_size=90, n_layer=2, n_embd=width, n_head=4, n_kv_head=2,
+                                   intermediate_size=96 if scales == 'row' else 512, bitnet=True,
+                                   weight_scale=scales)).eval()
     idx = tokens(90)
     ours.save_pretrained(tmp_path / 'online')
     cfg = json.load(open(tmp_path / 'online' / 'config.json'))
-    assert cfg['model_type'] == 'bitnet_llama' and cfg['weight_scale'] == 'row'
+    assert cfg['model_type'] == 'bitnet_llama' and cfg['weight_scale'] == scales
     with pytest.raises((ValueError, KeyError)):  # transformers' BitNet has one scale per matrix: refused, not run
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'online')
     with torch.no_grad():
@@ -193,5 +195,13 @@ def test_a_model_with_a_scale_per_row_saves_under_our_own_type_and_packs(tmp_pat
         assert torch.equal(Transformer.from_pretrained(str(tmp_path / 'online'))(idx), want)
         ours.freeze().save_pretrained(tmp_path / 'packed')
         packed = Transformer.from_pretrained(str(tmp_path / 'packed')).eval()
-        assert packed.layers[0].mlp.up_proj.weight_scale.shape == (96,)
+        mlp = packed.layers[0].mlp
+        if scales == 'row':
+            assert mlp.up_proj.weight_scale.shape == (96,)
+        else:  # one block of 256 inputs is one gamma per row; 512 inputs, two
+            assert mlp.up_proj.weight_scale.shape == (512,) and mlp.down_proj.weight_scale.shape == (256, 2)
         assert (packed(idx) - want).abs().max().item() <= 1e-5
+    if scales == 'block':  # every input width must be a multiple of 256
+        with pytest.raises(ValueError, match=r"multiple of 256, and this model's are \[256, 576\]: use 'row'"):
+            ModelConfig(vocab_size=90, n_layer=2, n_embd=256, n_head=4, n_kv_head=2, intermediate_size=576,
+                        bitnet=True, weight_scale='block')
