@@ -37,7 +37,8 @@ from tokenizer import (DIGITS_PATTERN, GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTE
 
 def with_d(blocks, gamma, d_first=False):
     """(N, nb, bytes) uint8 blocks -> (N, nb * (bytes + 2)): fp16 gamma after (or
-    before) each. gamma (1, 1), (N, 1) per row, or (N, K/256) per row and 256 columns."""
+    before) each. gamma, as every packer below takes it: (1, 1), (N, 1) per row, or
+    (N, K/256) per row and 256 columns."""
     N, nb = blocks.shape[:2]
     d = gamma.half().repeat_interleave(nb // gamma.shape[1], dim=1)  # one per block
     d = d.expand(N, nb).unsqueeze(-1).contiguous().view(torch.uint8)
