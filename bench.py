@@ -127,8 +127,10 @@ def bench_matmul():
     copies = lambda nbytes: max(1, -(-2 * cache_bytes() // nbytes))  # for 2x the cache
     peer = 'bf16' if device == 'cuda' else 'int8dq'  # PyTorch's own fast path here
     print("\nms per call, cycled (weights from memory) / hot (in cache); GB/s = packed "
-          f"bytes / cycled time\n{'in x out':>12} {'B':>3} {'fp32':>15} {peer:>15} "
-          f"{'ternary':>15} {'GB/s':>5} {'vs fp32':>8} {'vs ' + peer:>9}")
+          "bytes / cycled time; blocks: ternary with a gamma per row and 256 inputs "
+          f"(weight_scale='block')\n{'in x out':>12} {'B':>3} {'fp32':>15} {peer:>15} "
+          f"{'ternary':>15} {'blocks':>15} {'GB/s':>5} {'vs fp32':>8} {'vs ' + peer:>9} "
+          f"{'blocks':>7}")
     replays = []
     for K, N in ((2048, 2048), (4096, 4096), (4096, 14336)):
         W = [(torch.randn(N, K, device=device) * 0.02,) for _ in range(copies(4 * N * K))]
@@ -144,18 +146,21 @@ def bench_matmul():
                     for _ in range(copies(N * K))]
         packed = [(kernels.pack(torch.randint(-1, 2, (N, K), device=device)),
                    torch.ones(1, device=device)) for _ in range(copies(N * K // 4))]
+        block_scaled = [(w, torch.rand(N, K // 256, device=device)) for w, _ in packed]
         for B in (1, 4, 16, 64):
             x = torch.randn(B, K, device=device)
             x_peer = x.bfloat16() if device == 'cuda' else x
             fns = {'fp32': (lambda w: F.linear(x, w), W),
                    peer: (lambda w: run_peer(x_peer, w), Wp),
-                   'ternary': (lambda w, g: kernels.ternary_linear(x, w, g), packed)}
+                   'ternary': (lambda w, g: kernels.ternary_linear(x, w, g), packed),
+                   'blocks': (lambda w, g: kernels.ternary_linear(x, w, g), block_scaled)}
             t = timeit({(k, hot): (fn, args[:1] if hot else args)
                         for k, (fn, args) in fns.items() for hot in (0, 1)})
             cyc = t['ternary', 0]
             cells = " ".join(f"{t[k, 0]:7.3f}/{t[k, 1]:7.3f}" for k in fns)
             print(f"{f'{K} x {N}':>12} {B:3d} {cells} {N * K / 4 / cyc / 1e6:5.1f} "
-                  f"{t['fp32', 0] / cyc:7.1f}x {t[peer, 0] / cyc:8.1f}x")
+                  f"{t['fp32', 0] / cyc:7.1f}x {t[peer, 0] / cyc:8.1f}x "
+                  f"{t['blocks', 0] / cyc:6.2f}x")
             if device == 'cuda' and B <= 16:
                 replays.append((K, N, B, replay_ms(*fns[peer]), replay_ms(*fns['ternary'])))
     if device == 'cuda':
