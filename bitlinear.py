@@ -210,17 +210,17 @@ def int8_matmul(a, b):
 def scaled_product(matmul, x_q, s, w_q, gamma):
     """The ternary product (x_q @ W_q^T) * gamma / s from the integer codes, `matmul`
     exact (int8_matmul, or F.linear without autocast). gamma () or (N, 1): one product,
-    scaled. gamma (N, K/256): each block of 256 columns' product, scaled by its gammas,
-    and the blocks added in order, first to last (kernels.py adds them so too: the same
-    bits)."""
+    times gamma / s. gamma (N, K/256): each block of 256 columns' product times its
+    gammas, the blocks added first to last, then divided by s (kernels.py computes it so
+    too: the same bits)."""
     if gamma.dim() < 2 or gamma.shape[1] == 1:
         # in place: the matmul's own fresh output; gamma as a row
         return matmul(x_q, w_q).mul_(gamma.reshape(-1) / s)
     y = None
     for b, (x_b, w_b) in enumerate(zip(x_q.split(BLOCK, -1), w_q.split(BLOCK, -1))):
-        part = matmul(x_b.contiguous(), w_b).mul_(gamma[:, b] / s)
+        part = matmul(x_b.contiguous(), w_b).mul_(gamma[:, b])
         y = part if y is None else y.add_(part)
-    return y
+    return y.div_(s)
 
 
 def autocast_dtype(device_type):

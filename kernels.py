@@ -114,7 +114,9 @@ def quantize(x, levels=127):
 # (1,), one per weight row (N,; fused matrices, weight_scale='row'), or one per row and
 # block of 256 columns (N, K/256; weight_scale='block') -> float (M, N). Quantize, integer
 # matmul, then one fp multiply: float(acc) * (gamma / s), acc exact in fp32 (below 2^24).
-# With block scales each block's product is scaled so, and the blocks are added in order.
+# With block scales, each block's product times its gamma, the blocks added first to last,
+# then divided by s: one division per output, as one per block would cost the C++ kernel
+# as much as its integer work.
 
 def _linear(mm, x, w, gamma):
     # int8 rows (an LM head) take int16 activations; sums exact in fp64
@@ -128,9 +130,9 @@ def _linear(mm, x, w, gamma):
     y = None
     for b in range(gamma.shape[1]):  # block b: columns 256b.., bytes 64b.. of each row
         acc = mm(x_q[:, BLOCK * b:BLOCK * (b + 1)], w[:, BLOCK // 4 * b:BLOCK // 4 * (b + 1)])
-        part = acc.float() * (gamma[:, b].float() / s)
+        part = acc.float() * gamma[:, b].float()
         y = part if y is None else y + part
-    return y
+    return y / s
 
 
 def _mm_double(x_q, w):
@@ -226,32 +228,51 @@ AVX2 inline int32_t hsum(__m256i a) {
   return _mm_cvtsi128_si32(_mm_hadd_epi32(s, s));
 }
 
-// MR tokens x NR rows over columns k0 to k1 (all of K, or one block's scale), into acc
-// (MR x NR); a lone row keeps U = 4 blocks in flight
-#define TILE(name, isa, vec, block)                                             \
-  template <int MR, int NR>                                                     \
-  isa void name(const int8_t* x, const uint8_t* w, int64_t Kp, int64_t k0,      \
-                int64_t k1, int32_t* acc) {                                     \
-    constexpr int U = NR == 1 ? 4 : 1;                                          \
-    vec a[U][MR][NR] = {};                                                      \
-    int64_t k = k0;                                                             \
-    for (; k + 256 * U <= k1; k += 256 * U)                                     \
-      for (int u = 0; u < U; u++) block<MR, NR>(x, w, Kp, k + 256 * u, a[u]);   \
-    for (; k < k1; k += 256) block<MR, NR>(x, w, Kp, k, a[0]);                  \
+// With a gamma per block (BLOCKS), the sums of blocks k / 256 .. + count - 1 go apart
+// into acc[block][MR][NR], and their accumulators start again from zero
+#define TAKE_SUMS(count, vec)                                                   \
+  for (int u = 0; u < count; u++)                                               \
     for (int m = 0; m < MR; m++)                                                \
       for (int n = 0; n < NR; n++) {                                            \
-        int32_t s = 0;                                                          \
-        for (int u = 0; u < U; u++) s += hsum(a[u][m][n]);                      \
-        acc[m * NR + n] = s;                                                    \
-      }                                                                         \
+        acc[((k / 256 + u) * MR + m) * NR + n] = hsum(a[u][m][n]);              \
+        a[u][m][n] = vec{};                                                     \
+      }
+
+// MR tokens x NR rows over all of K, into acc (MR x NR) (or per block, BLOCKS);
+// a lone row keeps U = 4 blocks in flight
+#define TILE(name, isa, vec, block)                                             \
+  template <int MR, int NR, bool BLOCKS>                                        \
+  isa void name(const int8_t* x, const uint8_t* w, int64_t Kp, int32_t* acc) {  \
+    constexpr int U = NR == 1 ? 4 : 1;                                          \
+    vec a[U][MR][NR] = {};                                                      \
+    int64_t k = 0;                                                              \
+    for (; k + 256 * U <= Kp; k += 256 * U) {                                   \
+      for (int u = 0; u < U; u++) block<MR, NR>(x, w, Kp, k + 256 * u, a[u]);   \
+      if (BLOCKS) TAKE_SUMS(U, vec)                                             \
+    }                                                                           \
+    for (; k < Kp; k += 256) {                                                  \
+      block<MR, NR>(x, w, Kp, k, a[0]);                                         \
+      if (BLOCKS) TAKE_SUMS(1, vec)                                             \
+    }                                                                           \
+    if (!BLOCKS)                                                                \
+      for (int m = 0; m < MR; m++)                                              \
+        for (int n = 0; n < NR; n++) {                                          \
+          int32_t s = 0;                                                        \
+          for (int u = 0; u < U; u++) s += hsum(a[u][m][n]);                    \
+          acc[m * NR + n] = s;                                                  \
+        }                                                                       \
   }
 TILE(tile_vnni, VNNI, __m512i, block_vnni)
 TILE(tile_avx2, AVX2, __m256i, block_avx2)
 
-using Tile = void (*)(const int8_t*, const uint8_t*, int64_t, int64_t, int64_t, int32_t*);
-#define TILES(f, NR) {f<1, NR>, f<2, NR>, f<3, NR>, f<4, NR>}
-static const Tile tiles[2][2][4] = {{TILES(tile_avx2, 1), TILES(tile_avx2, 4)},
-                                    {TILES(tile_vnni, 1), TILES(tile_vnni, 4)}};
+using Tile = void (*)(const int8_t*, const uint8_t*, int64_t, int32_t*);
+#define TILES(f, NR, B) {f<1, NR, B>, f<2, NR, B>, f<3, NR, B>, f<4, NR, B>}
+// [sums per block][isa][NR == 4][MR - 1]
+static const Tile tiles[2][2][2][4] = {
+    {{TILES(tile_avx2, 1, false), TILES(tile_avx2, 4, false)},
+     {TILES(tile_vnni, 1, false), TILES(tile_vnni, 4, false)}},
+    {{TILES(tile_avx2, 1, true), TILES(tile_avx2, 4, true)},
+     {TILES(tile_vnni, 1, true), TILES(tile_vnni, 4, true)}}};
 
 int64_t simd() {  // 2: AVX-512 VNNI, 1: AVX2, 0: neither (use another path)
   __builtin_cpu_init();
@@ -307,20 +328,19 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma, int6
   // zero-padded to whole blocks
   auto xq = torch::zeros({M, Kp}, x.options().dtype(torch::kChar));
   const int64_t nb = Kp / 256;
-  std::vector<int32_t> S(M * nb);  // sum x per block: sum q x = sum c x - sum x
+  // sum x, per token and block and in all: sum q x = sum c x - sum x
+  std::vector<int32_t> Sb(M * nb), S(M);
   std::vector<float> s(M);
-  for (int64_t m = 0; m < M; m++)
-    s[m] = quantize(xf.data_ptr<float>() + m * K, K, xq.data_ptr<int8_t>() + m * Kp, &S[m * nb]);
-  // one gamma, one per row (fused matrices), or one per row and block of 256 columns: each
-  // group of columns with its own gamma is a product of its own, and they add in order
+  for (int64_t m = 0; m < M; m++) {
+    int8_t* q = xq.data_ptr<int8_t>() + m * Kp;
+    s[m] = quantize(xf.data_ptr<float>() + m * K, K, q, &Sb[m * nb]);
+    S[m] = std::accumulate(&Sb[m * nb], &Sb[m * nb] + nb, 0);
+  }
+  // one gamma, one per row (fused matrices), or one per row and block of 256 columns
   auto g = gamma.to(torch::kFloat).contiguous();
   const float* G = g.data_ptr<float>();
   const int64_t gs = g.numel() > 1;
-  const int64_t groups = g.dim() == 2 ? g.size(1) : 1;
-  const int64_t width = Kp / groups;
-  std::vector<int32_t> Sg(M * groups);  // sum x per token and group
-  for (int64_t m = 0; m < M; m++)
-    for (int64_t j = 0; j < nb; j++) Sg[m * groups + j * groups / nb] += S[m * nb + j];
+  const bool blocks = g.dim() == 2;
   auto y = torch::empty({M, N}, xf.options());
   const int8_t* X = xq.data_ptr<int8_t>();
   const uint8_t* W = w.data_ptr<uint8_t>();
@@ -331,22 +351,28 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma, int6
   // threads split the weight rows, at least 32K weights each
   const int64_t grain = std::max<int64_t>(1, 32768 / Kp / R);
   at::parallel_for(0, (N + R - 1) / R, grain, [&](int64_t t0, int64_t t1) {
+    std::vector<int32_t> acc(16 * (blocks ? nb : 1));
     for (int64_t n = R * t0, nr; n < std::min(R * t1, N); n += nr) {
       nr = N - n >= R ? R : 1;
       for (int64_t m = 0; m < M; m += 4) {
         int mr = std::min<int64_t>(4, M - m);
-        int32_t acc[16];
-        for (int64_t b = 0; b < groups; b++) {
-          tiles[isa - 1][nr == 4][mr - 1](X + m * Kp, W + n * Kp / 4, Kp, width * b,
-                                          width * (b + 1), acc);
-          for (int i = 0; i < mr; i++)
-            for (int j = 0; j < nr; j++) {
-              const float scale = G[gs * ((n + j) * groups + b)] / s[m + i];
-              const float part = float(acc[i * nr + j] - Sg[(m + i) * groups + b]) * scale;
-              float& y = Y[(m + i) * N + n + j];
-              y = b == 0 ? part : y + part;
+        tiles[blocks][isa - 1][nr == 4][mr - 1](X + m * Kp, W + n * Kp / 4, Kp, acc.data());
+        for (int i = 0; i < mr; i++)
+          for (int j = 0; j < nr; j++) {
+            float& y = Y[(m + i) * N + n + j];
+            if (!blocks) {
+              y = float(acc[i * nr + j] - S[m + i]) * (G[gs * (n + j)] / s[m + i]);
+              continue;
             }
-        }
+            // each block's product times its gamma, added first to last, then / s
+            float total = 0;
+            for (int64_t b = 0; b < nb; b++) {
+              const int32_t product = acc[(b * mr + i) * nr + j] - Sb[(m + i) * nb + b];
+              const float part = float(product) * G[(n + j) * nb + b];
+              total = b == 0 ? part : total + part;
+            }
+            y = total / s[m + i];
+          }
       }
     }
   });

@@ -156,21 +156,22 @@ def test_per_row_gamma_and_int8_head(cpp, isa):
 
 def block_scaled(x, w_q, gamma):
     """The definition of block scales, computed apart: each block of 256 columns' exact product (int64)
-    times gamma / s in fp32, the blocks added first to last."""
+    times its gamma in fp32, the blocks added first to last, then divided by s."""
     x_q, s = kernels.quantize(x)
     y = None
     for b in range(gamma.shape[1]):
         columns = slice(256 * b, 256 * (b + 1))
-        part = (x_q[:, columns].long() @ w_q[:, columns].long().T).float() * (gamma[:, b] / s)
+        part = (x_q[:, columns].long() @ w_q[:, columns].long().T).float() * gamma[:, b]
         y = part if y is None else y + part
-    return y
+    return y / s
 
 
 @pytest.mark.parametrize('isa', [2, 1], ids=['avx512vnni', 'avx2'])
 def test_block_gamma_is_each_blocks_product_added_in_order(cpp, isa):
     """One gamma per row and block of 256 columns (weight_scale='block'): the C++ kernel and the
-    reference sum each block's integer product, scale it and add the blocks in order, bit for bit as
-    computed apart, for decode and prefill tiles; with equal gammas, within fp32 rounding of one gamma."""
+    reference compute each block's integer product, scale it and add the blocks in order, bit for bit
+    as computed apart, for decode and prefill tiles, four blocks in flight and a tail; with equal
+    gammas, within fp32 rounding of one gamma."""
     if isa > cpp.simd():
         pytest.skip("this CPU lacks AVX-512 VNNI")
     for M, N, K in ((1, 8, 256), (1, 13, 1280), (3, 7, 512), (5, 64, 1024), (17, 33, 768)):
