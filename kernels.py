@@ -27,7 +27,8 @@ using them still compiles with torch.compile:
   cpp        a C++ CPU kernel (AVX-512 VNNI or AVX2, chosen at run time, all cores)
   cuda       a CUDA GEMV for decode (dp4a), int8 tensor cores (torch._int_mm) for prefill
 `ternary_linear` picks the fastest one that builds and says once when it falls back.
-The same op takes a gamma per weight row (matrices fused into one, engine.fuse) and
+The same op takes a gamma per weight row (matrices fused into one, engine.fuse), one per
+row and block of 256 columns (weight_scale='block', as llama.cpp's TQ2_0 scales), and
 int8 rows times int16 activations (an LM head in 4x fewer bytes than fp32, pack_int8).
 """
 import functools

