@@ -484,6 +484,9 @@ def test_finer_scaled_function_is_bit_identical_to_its_reference_and_packs_bit_e
             y = kernels.ternary_linear(x, packed.weight, packed.weight_scale, impl) + packed.bias
             assert torch.equal(y, y1), impl
         assert torch.equal(packed(x), y1)
+    x3 = x1.detach().clone().requires_grad_()  # LoRA's path: the STE gradient through the packed base
+    (packed(x3) * g).sum().backward()
+    assert torch.equal(x3.grad, x1.grad)
 
 
 def test_block_scales_are_each_blocks_absmean_and_reduce_to_the_matrix_scale_when_equal():

@@ -30,13 +30,16 @@ def test_generate_with_kv_cache_matches_full_forward():
     assert torch.equal(out, seq)
 
 
-def test_fuse_changes_only_the_head_and_saves_the_same_checkpoint(tmp_path):
+@pytest.mark.parametrize('scales,width,hidden', [('matrix', 64, 96), ('block', 256, 512)])
+def test_fuse_changes_only_the_head_and_saves_the_same_checkpoint(tmp_path, scales, width, hidden):
     """engine.fuse: fused q/k/v and gate/up give every block's output bit for bit (each row keeps
-    its matrix's gamma); the head becomes int8 rows, checked against its definition computed here;
-    state_dict (and so save_pretrained) is what it was; generation with the cache matches."""
+    its matrix's gamma, or its row's block gammas); the head becomes int8 rows, checked against its
+    definition computed here; state_dict (and so save_pretrained) is what it was; generation with
+    the cache matches."""
     from kernels import quantize
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=300, n_layer=2, n_embd=64, n_head=4, n_kv_head=2, intermediate_size=96, bitnet=True)
+    cfg = ModelConfig(vocab_size=300, n_layer=2, n_embd=width, n_head=4, n_kv_head=2, intermediate_size=hidden,
+                      bitnet=True, weight_scale=scales)
     model = Transformer(cfg).eval().freeze()
     idx = tokens(300, B=2, T=9)
     with torch.no_grad():
@@ -48,7 +51,7 @@ def test_fuse_changes_only_the_head_and_saves_the_same_checkpoint(tmp_path):
         logits = model(idx, feats=got)
     assert all(m.fused is not None for b in model.layers for m in (b.self_attn, b.mlp))
     assert all(torch.equal(a, b) for a, b in zip(ref['hidden'], got['hidden']))
-    h = model.norm(got['hidden'][-1]).reshape(-1, 64)
+    h = model.norm(got['hidden'][-1]).reshape(-1, width)
     W = model.lm_head.weight
     scale = W.abs().amax(1) / 127
     x_q, s = quantize(h, 32767)  # int16 per token times int8 per row, exact int64 sums, scaled once
