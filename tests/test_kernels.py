@@ -315,21 +315,32 @@ def test_freeze_keeps_only_2bit_weights_and_matches_bitlinear(cpp):
 
 
 def test_bitlinear_alone_falls_back_to_pure_torch_with_the_same_numbers(tmp_path, cpp):
+    """bitlinear.py copied alone packs in the HF layout and computes in pure torch: the same outputs, bit
+    for bit, and the same state dict, with one gamma per matrix and with block scales."""
     shutil.copy(os.path.join(ROOT, 'bitlinear.py'), tmp_path)
     script = ("import torch, bitlinear\n"
               "assert not bitlinear.has_kernels\n"
-              "torch.manual_seed(0)\n"
-              "net = bitlinear.freeze(torch.nn.Sequential(bitlinear.BitLinear(300, 13)))\n"
-              "torch.save((net(torch.randn(3, 300)).detach(), net[0].state_dict()), 'out.pt')\n")
+              "out = {}\n"
+              "for scales, K in (('matrix', 300), ('block', 512)):\n"
+              "    torch.manual_seed(0)\n"
+              "    layer = bitlinear.BitLinear(K, 13)\n"
+              "    layer.scales = scales\n"
+              "    net = bitlinear.freeze(torch.nn.Sequential(layer))\n"
+              "    out[scales] = (net(torch.randn(3, K)).detach(), net[0].state_dict())\n"
+              "torch.save(out, 'out.pt')\n")
     r = subprocess.run([sys.executable, '-c', script], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                        env={**os.environ, 'PYTHONPATH': ''})
     assert r.returncode == 0, r.stderr
-    y_alone, sd_alone = torch.load(tmp_path / 'out.pt')
-    torch.manual_seed(0)
-    net = freeze(torch.nn.Sequential(BitLinear(300, 13)))
-    with torch.no_grad():
-        assert torch.equal(net(torch.randn(3, 300)), y_alone)  # fp32 sums of integers are exact too
-    assert all(torch.equal(v, sd_alone[k]) for k, v in net[0].state_dict().items())
+    alone = torch.load(tmp_path / 'out.pt')
+    for scales, K in (('matrix', 300), ('block', 512)):
+        y_alone, sd_alone = alone[scales]
+        torch.manual_seed(0)
+        layer = BitLinear(K, 13)
+        layer.scales = scales
+        net = freeze(torch.nn.Sequential(layer))
+        with torch.no_grad():
+            assert torch.equal(net(torch.randn(3, K)), y_alone), scales  # fp32 sums of integers are exact too
+        assert all(torch.equal(v, sd_alone[k]) for k, v in net[0].state_dict().items()), scales
 
 
 # ---------------------------------------------------------------- the packed model and its export
