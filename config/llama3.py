@@ -9,8 +9,11 @@
 # Llama 3's layers as loaded: its RoPE frequency scaling ('llama3': the slow frequencies divided
 # by 32, the fast ones kept), 32 heads of 64 with 8 KV heads, a 128k vocabulary, tied embeddings.
 # The recipe is config/smollm.py's (docs/conversion.md): block-wise reconstruction alone for the
-# first third of the steps, then CE + logits KD at T = 5, the fp original as the frozen teacher.
-# The ternary checkpoint opens in transformers as BitNetForCausalLM.
+# first third of the steps, then CE + logits KD at T = 5, one weight scale per output row, the fp
+# original as the frozen teacher. The ternary checkpoint saves under our own model_type,
+# bitnet_llama (--weight_scale=matrix: one transformers opens as BitNetForCausalLM); its rows of
+# 2048 and 8192 export to llama.cpp's TQ2_0/TQ1_0, which store a row's scale in each of its
+# blocks of 256.
 # Offline: --init_from=DIR --teacher=DIR (config.json, model.safetensors, tokenizer.json) and
 # --data_files="{'train': 'train.txt', 'val': 'valid.txt'}".
 import os
@@ -24,6 +27,7 @@ dataset = 'data/tinystories-llama3'
 data_files = {'train': 'hf://datasets/roneneldan/TinyStories/TinyStoriesV2-GPT4-train.txt',
               'val': 'hf://datasets/roneneldan/TinyStories/TinyStoriesV2-GPT4-valid.txt'}
 bitnet = True
+weight_scale = 'row'
 objectives = {'block': {}, 'ce': {}, 'kd': {'temperature': 5.0}}
 curriculum = [(1 / 3, {'block': 1.0}), (1.0, {'ce': 1.0, 'kd': 1.0})]
 fsdp = int(os.environ.get('WORLD_SIZE', 1)) > 1
