@@ -13,10 +13,10 @@
 # moments start afresh and the LR warms up again over warmup_steps (phase_reset). There it
 # closed 58% of the CE-only student's gap to the teacher at 246k tokens (CE + KD from the
 # start: 39%), with the moments carried across the switch, as they were then. Each ternary
-# matrix has one absmean weight scale per output row: at 61k tokens (sweeps/recipes.py and
-# sweeps/row_scales.py) it beat one scale per matrix at each of three seeds, by 0.24-0.37 nats
-# on the val windows, and its CE never rose above its value at the switch. Its checkpoint saves
-# under our own model_type, bitnet_llama (transformers' BitNet takes one scale per matrix):
+# matrix has one absmean weight scale per output row: at 61k tokens (sweeps/phase_switch.py)
+# it beat one scale per matrix at each of three seeds, by 0.24-0.37 nats on the val windows,
+# and its CE never rose above its value at the switch. Its checkpoint saves under our own
+# model_type, bitnet_llama (transformers' BitNet takes one scale per matrix):
 # sample.py, eval.py and the GGUF export open it; --weight_scale=matrix gives a checkpoint that
 # transformers opens as BitNetForCausalLM. Block-wise reconstruction runs on several ranks under
 # FSDP (DDP cannot follow a teacher-forced block), so torchrun turns fsdp on.

@@ -1,9 +1,10 @@
 # docs/conversion.md's best recipe (block-wise reconstruction for a third of the steps, then
 # CE + KD at LR 1e-3) on three seeds (the data order), with AdamW's moments carried from the
 # block phase into CE + KD (phase_reset=False, as before) and started afresh at the switch (the
-# default). `python sweep.py sweeps/phase_switch.py --workers=2`; the table in
-# docs/conversion.md reads each arm's log.jsonl: val loss at steps 40 (the switch), 80 and 120,
-# and the largest CE loss after the switch.
+# default), and with one weight scale per output row (the moments started afresh).
+# `python sweep.py sweeps/phase_switch.py --workers=2`; the tables in docs/conversion.md read
+# each arm's log.jsonl: val loss at steps 40 (the switch), 80 and 120, and the largest CE loss
+# after the switch. 'scale per row, seed 1337' is sweeps/recipes.py's 'best, scale per row'.
 import os
 import runpy
 
@@ -19,3 +20,4 @@ arms = {}
 for seed in (1337, 1, 2):
     arms[f'moments carried, seed {seed}'] = dict(best, seed=seed, phase_reset=False)
     arms[f'moments reset, seed {seed}'] = dict(best, seed=seed)
+    arms[f'scale per row, seed {seed}'] = dict(best, seed=seed, weight_scale='row')
