@@ -93,6 +93,43 @@ def quantize_activations(x):
     return fused_activation_quant()(x) if x.is_cuda else activation_quant(x)
 
 
+class SharedValue:
+    """A value computed once for a tensor and kept while that tensor lives unchanged
+    (its identity and version counter; in-place changes bump the version), for the next
+    caller with the same tensor. q, k and v (gate and up) read one input: the first
+    quantizes it and the other two reuse its codes, and their backwards, which save those
+    same codes, dequantize them once. One value at a time, dropped with its tensor."""
+
+    def __init__(self):
+        self.key = self.value = None
+
+    def get(self, x, compute, *key):
+        """compute(), or the value kept for this same x, unchanged, and key."""
+        # compiled code is traced, not cached; inference tensors keep no version counter
+        if torch.compiler.is_compiling() or x.is_inference():
+            return compute()
+        key = (x._version, *key)
+        if self.key is None or self.key[0]() is not x or self.key[1:] != key:
+            self.key = self.value = None  # the old value goes before the new one is made
+            self.key = (weakref.ref(x, self.forget), *key)
+            self.value = compute()
+        return self.value
+
+    def forget(self, ref):  # the tensor died: so does its value
+        if self.key is not None and self.key[0] is ref:
+            self.key = self.value = None
+
+
+shared_codes = SharedValue()  # x -> (x_q, s, x_q as int8), BitLinearFunction's forward
+shared_inputs = SharedValue()  # int8 codes -> x_q / s, its backward
+
+
+def quantize_input(x):
+    """x (..., K) -> x_q (M, K) codes in fp32, s (M, 1), and the codes as int8."""
+    x_q, s = quantize_activations(x.reshape(-1, x.shape[-1]))
+    return x_q, s, x_q.to(torch.int8)
+
+
 # Fused optimizers (AdamW(fused=True)) change weights without bumping their version counters,
 # so every step of a torch optimizer counts here, and a quantized weight (see
 # BitLinear.quantized_weight) from before the last step is not used again
@@ -249,12 +286,12 @@ class BitLinearFunction(torch.autograd.Function):
         """w_q (N, K) int8 and gamma (), (N, 1) or (N, K/256): the weight quantized
     (BitLinear.quantized_weight)."""
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
-        x_q, s = quantize_activations(x2)  # (M, K), (M, 1)
+        # (M, K), (M, 1), (M, K) int8: shared with the projections that read the same x
+        x_q, s, x_int8 = shared_codes.get(x, lambda: quantize_input(x))
         ctx.ternary, ctx.has_bias, ctx.w_dtype = ternary, bias is not None, weight.dtype
         ctx.x_dtype = x.dtype
         ctx.dtype = autocast_dtype(x.device.type) or x.dtype  # of the output and backward
         if ternary:
-            x_int8 = x_q.to(torch.int8)
             ctx.save_for_backward(x_int8, s, w_q, gamma)
             # without int8 units the fp32 codes go to the fp32 matmul as they are
             codes = x_int8 if has_int8_units(x) else x_q
@@ -274,7 +311,7 @@ class BitLinearFunction(torch.autograd.Function):
             x_q, s, w_q, gamma = ctx.saved_tensors
             # divide in fp32: in fp16 a token with max|x| < 1.9e-3 has s > 65504 = inf,
             # and x_q / s = 0
-            x_f = (x_q / s).to(g.dtype)
+            x_f = shared_inputs.get(x_q, lambda: (x_q / s).to(g.dtype), g.dtype)
             w_f = dequantize(w_q, gamma.to(g.dtype))  # int8 * gamma: one pass
         else:
             x_f, w_f = (t.to(g.dtype) for t in ctx.saved_tensors)

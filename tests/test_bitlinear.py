@@ -415,6 +415,53 @@ def test_the_weight_is_quantized_once_per_value(monkeypatch):
         assert len(calls) == before + 1, change
 
 
+def test_projections_of_one_input_quantize_it_once_and_dequantize_its_codes_once(monkeypatch):
+    """q, k and v (gate and up) read one tensor: it is quantized once forward and its codes
+    dequantized once backward, with the definition's outputs and gradients bit for bit; an
+    in-place change of the input makes it quantize again; the codes go with the input."""
+    import gc
+    import bitlinear
+    quantized, dequantized = [], []
+
+    def counted(x):
+        quantized.append(x.shape)
+        return activation_quant(x)
+
+    class Counted(bitlinear.SharedValue):
+        def get(self, x, compute, *key):
+            return super().get(x, lambda: dequantized.append(x.shape) or compute(), *key)
+    monkeypatch.setattr(bitlinear, 'quantize_activations', counted)
+    monkeypatch.setattr(bitlinear, 'shared_inputs', Counted())
+    torch.manual_seed(0)
+    q, k, v = BitLinear(64, 48), BitLinear(64, 16), BitLinear(64, 16)
+    x = torch.randn(2, 20, 64, requires_grad=True)
+    runs = []
+    for forward in ('forward', 'reference'):
+        h = x * 1.0  # the input norm's output in a model
+        outputs = [getattr(m, forward)(h) for m in (q, k, v)]
+        sum(o.square().sum() * (i + 1) for i, o in enumerate(outputs)).backward()
+        runs.append([*outputs, x.grad, q.weight.grad, k.weight.grad, v.weight.grad])
+        x.grad = q.weight.grad = k.weight.grad = v.weight.grad = None
+        if forward == 'forward':
+            assert len(quantized) == 1 and len(dequantized) == 1
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    h = x.detach() * 1.0
+    q(h)
+    k(h)
+    assert len(quantized) == 2
+    h.mul_(2)  # the same tensor, other values
+    assert torch.equal(v(h), v.reference(h))  # (the reference quantizes by itself)
+    assert len(quantized) == 3
+    del h
+    gc.collect()
+    assert bitlinear.shared_codes.value is None  # the codes went with their input
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(n_layer=2, bitnet=True))
+    before = len(quantized)
+    model(torch.randint(0, 256, (2, 16)))
+    assert len(quantized) - before == 2 * 4  # per block: q/k/v, o, gate/up, down
+
+
 def test_the_fused_activation_quantizer_gives_the_same_codes():
     """torch.compile's fused quantizer (used on CUDA) against the eager one, here on the CPU:
     the same int8 codes and scales, bit for bit, at several shapes (one dynamic graph)."""
