@@ -504,7 +504,8 @@ def bench_kernels_per_layer():
     """The kernels (CUDA: launches in the profiler) or aten ops (CPU) that one linear of
     SmolLM2's MLP shape (576 -> 1536, 16 x 1024 tokens) runs forward and backward: F.linear,
     BitLinear.reference (the fake-quant definition), ours on its first micro-step
-    (quantizing the weight) and on later ones (the weight quantized once per step)."""
+    (quantizing the weight), on later ones (the weight quantized once per step), and on
+    an input another projection quantized (k and v after q, up after gate)."""
     from torch.profiler import ProfilerActivity, profile
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -517,40 +518,44 @@ def bench_kernels_per_layer():
             self.count += 1
             return func(*args, **(kwargs or {}))
 
-    def count(fn):
-        fn()  # warm: compiles the fused quantizer on CUDA, fills the caches
+    def count(fn, same_input):
+        x = torch.randn(16 * 1024, 576, device=device, requires_grad=True)
+        fn(x)  # warm: compiles the fused quantizer on CUDA, fills the caches
+        if not same_input:  # a new input, as the next layer or micro-step brings
+            x = torch.randn_like(x).requires_grad_()
         if device == 'cuda':
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                fn()
+                fn(x)
                 torch.cuda.synchronize()
             return sum(1 for e in prof.events() if e.device_type.name == 'CUDA')
         with Ops() as ops:
-            fn()
+            fn(x)
         return ops.count
 
     torch.manual_seed(0)
     layer = BitLinear(576, 1536).to(device)
-    x = torch.randn(16 * 1024, 576, device=device, requires_grad=True)
     dtype = torch.bfloat16 if device == 'cuda' else torch.float32
 
     def run(forward, fresh_weight=False):
-        def fn():
+        def fn(x):
             if fresh_weight:  # a new weight version, as an optimizer step makes it
                 with torch.no_grad():
                     layer.weight.add_(0.0)
             with torch.autocast(device, dtype, enabled=dtype != torch.float32):
                 forward(x).float().square().mean().backward()
         return fn
-    rows = {'F.linear (fp twin)': run(lambda x: F.linear(x, layer.weight)),
-            'BitLinear.reference': run(layer.reference),
-            'ours, first micro-step': run(layer, fresh_weight=True),
-            'ours, later micro-steps': run(layer)}
+    rows = {'F.linear (fp twin)': (run(lambda x: F.linear(x, layer.weight)), False),
+            'BitLinear.reference': (run(layer.reference), False),
+            'ours, first micro-step': (run(layer, fresh_weight=True), False),
+            'ours, later micro-steps': (run(layer), False),
+            'ours, input quantized': (run(layer), True)}
     what = 'CUDA kernels' if device == 'cuda' else 'aten ops'
     print(f"\n{what} one linear (576 -> 1536, 16k tokens) runs, forward + backward "
-          "(with the loss's few)")
-    for name, fn in rows.items():
-        print(f"{name:>26} {count(fn):5d}")
+          "(with the loss's few); 'input quantized': k, v or up, whose input q or gate "
+          "quantized")
+    for name, (fn, same_input) in rows.items():
+        print(f"{name:>26} {count(fn, same_input):5d}")
 
 
 def bench_moe(rounds=4):
