@@ -125,8 +125,8 @@ shared_inputs = SharedValue()  # int8 codes -> x_q / s, its backward
 
 
 def quantize_input(x):
-    """x (..., K) -> x_q (M, K) codes in fp32, s (M, 1), and the codes as int8."""
-    x_q, s = quantize_activations(x.reshape(-1, x.shape[-1]))
+    """x (M, K) -> x_q (M, K) codes in fp32, s (M, 1), and the codes as int8."""
+    x_q, s = quantize_activations(x)
     return x_q, s, x_q.to(torch.int8)
 
 
@@ -287,7 +287,7 @@ class BitLinearFunction(torch.autograd.Function):
     (BitLinear.quantized_weight)."""
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
         # (M, K), (M, 1), (M, K) int8: shared with the projections that read the same x
-        x_q, s, x_int8 = shared_codes.get(x, lambda: quantize_input(x))
+        x_q, s, x_int8 = shared_codes.get(x, lambda: quantize_input(x2))
         ctx.ternary, ctx.has_bias, ctx.w_dtype = ternary, bias is not None, weight.dtype
         ctx.x_dtype = x.dtype
         ctx.dtype = autocast_dtype(x.device.type) or x.dtype  # of the output and backward
