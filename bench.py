@@ -375,6 +375,9 @@ def bench_train(rounds=6):
     if find_spec('torchao'):  # the fp twin's linears made torchao's BitNet training weights
         peers['torchao BitNet'] = False
     kinds = {'ours': True, 'reference': True, 'fp twin': False} | peers  # is it ternary?
+    # torch.compile'd, as train.py --compile=True runs them (compiling costs a minute or
+    # more a model on a CPU)
+    kinds |= {'ours, compiled': True, 'fp twin, compiled': False}
     # as train.py trains: bf16 autocast on a GPU; on the CPU fp32 (its default) and bf16
     for dtype in ['bfloat16'] if device == 'cuda' else ['float32', 'bfloat16']:
         if device == 'cpu' and dtype == 'bfloat16':  # its backward follows CUDA autocast only
@@ -400,7 +403,10 @@ def train_table(sizes, kinds, peers, dtype, rounds):
                 model = hf_peer(model)
             else:
                 model = use_reference(model, kind == 'reference')
-            steps[kind], mem[kind] = stepper(model, dtype), saved_mib(model, x, dtype)
+            if kind.endswith('compiled'):  # what compiled graphs save is not hooked
+                steps[kind], mem[kind] = stepper(torch.compile(model), dtype), [0.0, 0.0]
+            else:
+                steps[kind], mem[kind] = stepper(model, dtype), saved_mib(model, x, dtype)
 
         def run(kind):
             if device == 'cuda':
@@ -417,17 +423,19 @@ def train_table(sizes, kinds, peers, dtype, rounds):
           "models in turns. ours: int8 Function,\nreference: BitLinear.reference, HF "
           "BitNet: AutoBitLinear online, torchao BitNet: bitnet_training(). saved: MiB "
           "held for\nbackward (parameters left out); in BitLin: the part saved in the "
-          "ternary layers\n" + " " * 22
+          "ternary layers (-: none, or not measured)\n" + " " * 34
           + "".join(f"{h:>{len(cols)}}" for h in head)
-          + "\n" + " " * 22 + cols * len(sizes))
+          + "\n" + " " * 34 + cols * len(sizes))
     for kind in kinds:
-        print(f"{kind:>22}" + "".join(f"{v:10.1f}" for s in sizes for v in res[kind, s]))
-    pairs = [('ours', 'fp twin'), ('reference', 'ours')] + [*zip(peers, ('ours', 'fp twin'))]
+        cells = [f"{v:10.1f}" if v else f"{'-':>10}" for s in sizes for v in res[kind, s]]
+        print(f"{kind:>34}" + "".join(cells))
+    pairs = [('ours', 'fp twin'), ('ours, compiled', 'fp twin, compiled'), ('reference', 'ours')]
+    pairs += [*zip(peers, ('ours', 'fp twin'))]
     pairs += [('torchao BitNet', 'ours')] if 'torchao BitNet' in peers else []
     for a, b in pairs:
         cells = [f"{u / v:9.2f}x" if u and v else " " * 10
                  for s in sizes for u, v in zip(res[a, s], res[b, s])]
-        print(f"{f'{a} / {b}':>22}" + "".join(cells))
+        print(f"{f'{a} / {b}':>34}" + "".join(cells))
 
 
 SHAPES = {  # models built in the process, random weights in a real model's shape
