@@ -2,7 +2,8 @@
 bench.py kernels  # the packed ternary matmul against its peers
 bench.py decode   # tokens/s of ours (fp32, packed, fused) and llama.cpp, same weights (CPU);
                   # ours packed and bf16, eager and as CUDA graphs, transformers (CUDA)
-bench.py train    # a training step: ours, the fake-quant reference, fp32, transformers
+bench.py train    # a training step: ours, the fake-quant reference, fp32, transformers;
+                  # eager and compiled
 bench.py convert  # config/smollm.py's step run by train.py: ternary vs fp twin, per phase
 bench.py kernels_per_layer  # kernels (CUDA) or ops (CPU) one BitLinear runs forward + backward
 bench.py moe      # a mixture-of-experts training step against top_k and n_experts
