@@ -97,7 +97,7 @@ class SharedValue:
     """A value computed once for a tensor and kept while that tensor lives unchanged
     (its identity and version counter; in-place changes bump the version), for the next
     caller with the same tensor. q, k and v (gate and up) read one input: the first
-    quantizes it and the other two reuse its codes, and their backwards, which save those
+    quantizes it and the others reuse its codes, and their backwards, which save those
     same codes, dequantize them once. One value at a time, dropped with its tensor."""
 
     def __init__(self):
@@ -111,8 +111,8 @@ class SharedValue:
         key = (x._version, *key)
         if self.key is None or self.key[0]() is not x or self.key[1:] != key:
             self.key = self.value = None  # the old value goes before the new one is made
-            self.key = (weakref.ref(x, self.forget), *key)
-            self.value = compute()
+            value = compute()
+            self.key, self.value = (weakref.ref(x, self.forget), *key), value
         return self.value
 
     def forget(self, ref):  # the tensor died: so does its value
