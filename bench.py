@@ -287,11 +287,25 @@ def bench_decode_cuda(prompt=128, new=64):
                   f"{decode:12.1f}")
 
 
-def use_reference(model, on=True):
-    """BitLinears run their autograd definition `reference`, not the int8 Function."""
-    for m in model.modules():
-        if isinstance(m, BitLinear):
-            m.use_reference(on)
+class ByDefinition(nn.Module):
+    """A BitLinear run as its definition, BitLinear.reference (autograd through fake
+    quantization, input norm and correction included): what the int8 Function is
+    compared with."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer.reference(x)
+
+
+def by_definition(model, on=True):
+    """model with every BitLinear run as its definition (on), or as it is."""
+    for parent in list(model.modules()) if on else ():
+        for name, child in list(parent.named_children()):
+            if isinstance(child, BitLinear):
+                setattr(parent, name, ByDefinition(child))
     return model
 
 
@@ -318,17 +332,18 @@ def torchao_peer(model):
 
 def stepper(model, dtype='float32'):
     """step(x, y) -> loss: forward (under autocast unless fp32, as train.py runs it),
-    cross-entropy, backward, fused AdamW step."""
+    cross-entropy, backward (holding the weights, as train.py does), fused AdamW step."""
     opt = torch.optim.AdamW(model.parameters(), lr=1.5e-3, betas=(0.9, 0.95),
                             weight_decay=0.1, fused=True)
     ctx = torch.autocast(device, getattr(torch, dtype), enabled=dtype != 'float32')
 
     def step(x, y):
-        with ctx:
-            out = model(x)
-            logits = getattr(out, 'logits', out)
-            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        loss.backward()
+        with kernels.holding_weights():  # as train.py runs a micro-step
+            with ctx:
+                out = model(x)
+                logits = getattr(out, 'logits', out)
+                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.item()
@@ -347,7 +362,8 @@ def saved_mib(model, x, dtype='float32'):
     """MiB saved for backward (storages once, no params): all, in the ternary layers."""
     params = {s.data_ptr() for p in model.parameters() for s in storages(p)}
     saved, at = [], ['model']  # (weak ref, where saved); where the forward is now
-    bits = [m for m in model.modules() if type(m).__name__ in ('BitLinear', 'AutoBitLinear')
+    bits = [m for m in model.modules()
+            if type(m).__name__ in ('BitLinear', 'ByDefinition', 'AutoBitLinear')
             or type(getattr(m, 'weight', None)).__name__ == 'BitNetTrainingLinearWeight']
 
     def pack(t):  # a weak ref to a detached alias: what the graph drops does not count
@@ -403,7 +419,7 @@ def train_table(sizes, kinds, peers, dtype, rounds):
             elif is_peer:
                 model = hf_peer(model)
             else:
-                model = use_reference(model, kind == 'reference')
+                model = by_definition(model, kind == 'reference')
             if kind.endswith('compiled'):  # what compiled graphs save is not hooked
                 steps[kind], mem[kind] = stepper(torch.compile(model), dtype), [0.0, 0.0]
             else:
@@ -529,18 +545,20 @@ def bench_kernels_per_layer():
 
     def count(fn, same_input):
         x = torch.randn(16 * 1024, 576, device=device, requires_grad=True)
-        fn(x)  # warm: compiles the fused quantizer on CUDA, fills the caches
-        if not same_input:  # a new input, as the next layer or micro-step brings
-            x = torch.randn_like(x).requires_grad_()
-        if device == 'cuda':
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                fn(x)
+        # as train.py's micro-steps run, between two optimizer steps
+        with kernels.holding_weights():
+            fn(x)  # warm: compiles the fused quantizer on CUDA, quantizes the weight
+            if not same_input:  # a new input, as the next layer or micro-step brings
+                x = torch.randn_like(x).requires_grad_()
+            if device == 'cuda':
                 torch.cuda.synchronize()
-            return sum(1 for e in prof.events() if e.device_type.name == 'CUDA')
-        with Ops() as ops:
-            fn(x)
-        return ops.count
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    fn(x)
+                    torch.cuda.synchronize()
+                return sum(1 for e in prof.events() if e.device_type.name == 'CUDA')
+            with Ops() as ops:
+                fn(x)
+            return ops.count
 
     torch.manual_seed(0)
     layer = BitLinear(576, 1536).to(device)
@@ -600,7 +618,7 @@ def bench_curve(steps=200, tail=20):
         for p in model.parameters() if nudge else ():
             with torch.no_grad():
                 p.copy_(torch.nextafter(p, torch.full_like(p, nudge * float('inf'))))
-        step = stepper(use_reference(model, ref), dtype)
+        step = stepper(by_definition(model, ref), dtype)
         curves.append([step(x.to(device), y.to(device)) for x, y in batches])
     print(f"\n{steps} AdamW steps (lr 1.5e-3) of the default ternary model, batch 16 x "
           f"128 of the offline corpus, loss {curves[0][0]:.4f} -> {curves[0][-1]:.4f}; "

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from bitlinear import PackedBitLinear
-from kernels import pack_int8, ternary_linear
+from kernels import holding_weights, pack_int8, ternary_linear
 from model import Attention, MLP
 
 
@@ -62,6 +62,7 @@ def llama_cpp_forward(path, max_len=2048):
 
 
 @torch.no_grad()
+@holding_weights()  # the weights hold still while it generates: each is quantized once
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, eos_id=None,
              vocab=None):
     """Sample continuations of idx (B, T): the prompt once, then one position per new
@@ -175,6 +176,7 @@ def top_p_filter(probs, top_p):
 
 
 @torch.no_grad()
+@holding_weights()  # the weights hold still while it samples: each is quantized once
 def rollout(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, stop_ids=(),
             seeds=None, vocab=None, use_cache=True, all_done=None):
     """Sample a completion for each prompt (lists of token ids), batched. Prompts are

@@ -30,7 +30,11 @@ using them still compiles with torch.compile:
 The same op takes a gamma per weight row (matrices fused into one, engine.fuse), one per
 row and block of 256 columns (weight_scale='block', as llama.cpp's TQ2_0 scales), and
 int8 rows times int16 activations (an LM head in 4x fewer bytes than fp32, pack_int8).
+
+For training, the same numbers faster for bitlinear.py: int8 matmuls on int8 units, the
+activation quantizer fused on CUDA, and values reused while the weights hold still.
 """
+import contextlib
 import functools
 import os
 import platform
@@ -105,8 +109,10 @@ def pack_int8(w):
 def quantize(x, levels=127):
     """absmax per token, as in bitlinear.activation_quant: int8 x_q (M, K) and the scale
     s (M, 1); int16 with levels=32767."""
-    s = levels / x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
-    x_q = (x.float() * s).round().clamp(-levels - 1, levels)
+    # max|x| in one pass; exact in any dtype, so rounding it to fp32 after changes nothing
+    amax = torch.linalg.vector_norm(x, float('inf'), dim=-1, keepdim=True).float()
+    s = levels / amax.clamp(min=1e-5)
+    x_q = (x.float() * s).round_().clamp_(-levels - 1, levels)
     return x_q.to(torch.int8 if levels < 128 else torch.int16), s
 
 
@@ -738,3 +744,79 @@ def ternary_linear(x, w, gamma, impl=None):
         fn = IMPLS[impl or best(x.device.type)]
     y = fn(x.reshape(-1, K), w, gamma)  # (M, N) fp32
     return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
+
+
+# ---------------------------------------------------------------- training (bitlinear.py)
+# BitLinear's forward is an exact integer product, whatever computes it. What follows makes
+# it fast with the same numbers: int8 matmuls on int8 units, the activation quantizer fused
+# on CUDA, and values reused while the weights hold still.
+
+# torch._int_mm is fast where there are int8 units: tensor cores, AVX-512 CPUs (VNNI). On an
+# AVX2 CPU (AMD EPYC) it ran 18x slower than an fp32 matmul of the same integers
+INT8_UNITS_ON_CPU = 'AVX512' in torch.backends.cpu.get_cpu_capability()
+
+
+def int8_matmul(a, b):
+    """a (M, K) @ b (N, K)^T for int8 codes, exact in int32 (returned as fp32):
+    torch._int_mm on int8 units where the shapes allow, else an fp32 matmul, exact too
+    while K * 128 < 2^24 (with autocast off: it would round to bf16)."""
+    on_int8_units = a.is_cuda or INT8_UNITS_ON_CPU
+    fits = a.shape[0] > 16 and a.shape[1] % 8 == 0 and b.shape[0] % 8 == 0
+    if on_int8_units and fits:
+        return torch._int_mm(a, b.t()).float()
+    with torch.autocast(a.device.type, enabled=False):
+        return a.float() @ b.float().t()
+
+
+@functools.cache
+def fused_quantize():
+    """quantize as torch.compile fuses it: a reduction and one elementwise pass (eager:
+    five), the same numbers. Made on first use: compiling costs seconds."""
+    return torch.compile(quantize, dynamic=True)
+
+
+def quantize_activations(x):
+    """quantize (int8 codes, s), fused on CUDA; eager elsewhere (compiling takes about
+    20 s a graph on a CPU, where the tests run)."""
+    return fused_quantize()(x) if x.is_cuda else quantize(x)
+
+
+# Between two optimizer steps the weights hold still: every micro-step's forward and
+# backward, an evaluation, a rollout read the same values. Inside `holding_weights()`,
+# what BitLinear computes through `reused` is kept for the next caller with the same
+# tensor: each weight's W_q and gamma (quantized once, not once per micro-step or
+# generated token), an input's int8 codes (q, k and v read one tensor: the first
+# quantizes it, the others reuse its codes) and their dequantized copy in backward
+# (their backwards saved those same codes). Outside it nothing is kept, so no change of a
+# weight or an input (in place, through .data, a numpy view, any optimizer, a broadcast)
+# can meet an old value. Inside it, a kept value is also dropped when its tensor changes
+# storage, version, dtype or device; a change that bumps none of them (through .data, a
+# numpy view, a fused optimizer) is the caller's to keep outside: train.py steps the
+# optimizer between two holds.
+held = None  # tensor -> (key, value) while holding_weights() runs; None outside
+
+
+@contextlib.contextmanager
+def holding_weights():
+    """Keep what `reused` computes until the block ends (a nested hold joins the outer)."""
+    global held
+    outer = held
+    held = WeakIdKeyDictionary() if outer is None else outer
+    try:
+        yield
+    finally:
+        held = outer
+
+
+def reused(t, compute, *key):
+    """compute(); inside holding_weights(), the value computed before for this same tensor
+    t (while it lives, unchanged) and key. Compiled code is traced, not kept; inference
+    tensors keep no version counter."""
+    if held is None or torch.compiler.is_compiling() or t.is_inference():
+        return compute()
+    key = (t.data_ptr(), t._version, t.dtype, t.device, *key)
+    kept = held.get(t)
+    if kept is None or kept[0] != key:
+        kept = (key, compute())
+        held[t] = kept
+    return kept[1]

@@ -39,8 +39,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from bitlinear import (SubLN, add_input_norms, add_lrc, calibrate_subln, convert_to_bitnet,
-                       freeze)
+from bitlinear import SubLN, add_lrc, calibrate_subln, convert_to_bitnet, freeze
 from moe import MOE_CLASSES, MOE_TYPES, MoE, moe_from_hf, moe_to_hf, upcycle
 
 
@@ -310,10 +309,8 @@ class Transformer(nn.Module):
         def block():
             if not pack:
                 return Block(cfg)
-            ternary = convert_to_bitnet(Block(cfg), cfg.norm_eps, scales=cfg.weight_scale)
-            if cfg.linear_norm:
-                add_input_norms(ternary, cfg.norm_eps)
-            return freeze(ternary)
+            return freeze(convert_to_bitnet(Block(cfg), cfg.norm_eps, scales=cfg.weight_scale,
+                                            input_norms=cfg.linear_norm))
         self.layers = nn.ModuleList(block() for _ in range(cfg.n_layer))
         self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
@@ -349,10 +346,9 @@ class Transformer(nn.Module):
         cfg = self.config
         cfg.weight_scale = weight_scale or cfg.weight_scale
         cfg.__post_init__()  # checks weight_scale
-        convert_to_bitnet(self.layers, cfg.norm_eps, scales=cfg.weight_scale)
-        self.config.linear_norm = self.config.linear_norm or linear_norm
-        if self.config.linear_norm:
-            add_input_norms(self.layers, self.config.norm_eps)
+        cfg.linear_norm = cfg.linear_norm or linear_norm
+        convert_to_bitnet(self.layers, cfg.norm_eps, scales=cfg.weight_scale,
+                          input_norms=cfg.linear_norm)
         self.config.bitnet = self.config.subln = True
         if calib:
             calibrate_subln(self, calib)

@@ -34,6 +34,7 @@ from bitlinear import TARGETS, set_lambda
 from configurator import configure
 from data import Batches, offline_corpus, preference_pairs, setup_data
 from engine import complete
+from kernels import holding_weights
 from eval import check_tasks, loss_sums, token_bytes, zero_shot
 from report import Progress
 from lora import attach_lora, load_adapters, save_adapters, set_adapters
@@ -663,7 +664,10 @@ while run.step < (stop_after or max_steps):
         set_lambda(raw_model, min(1.0, step / (lambda_warmup * max_steps)))
     if phase_reset and new_phase(step):
         reset_moments(run.optimizers)
-    train_loss, metrics = micro_steps(step, b)
+    # the weights hold still until the optimizer steps: kernels.py quantizes each one once
+    # for all micro-steps (and reuses an input's codes), and forgets it all at the end
+    with holding_weights():
+        train_loss, metrics = micro_steps(step, b)
     grad_norm, zclipped = clip_gradients(model, run.optimizers, scaler, grad_clip, run.zclip)
     skipped = not math.isfinite(grad_norm.item())
     # a NaN/Inf loss or gradient (fp16 overflow, a bad batch): skip the step, or stop
@@ -685,16 +689,17 @@ while run.step < (stop_after or max_steps):
     # evaluate: the val loss (and samples), the best one so far, early stopping
     rec, improved, stop = {}, False, False
     if step % eval_interval == 0 or last:
-        rec['val_loss'], rec['val_bpb'] = evaluate()
-        if eval_prompts and (master or fsdp):  # under FSDP every rank runs each forward
-            with ctx:  # greedy continuations, read beside the losses
-                rec['samples'] = complete(raw_model, enc, eval_prompts, 48)
-        if grpo_heldout and (master or fsdp):  # each reward's mean, greedy completions
-            rec.update(rollouts.heldout_scores(raw_model))
-        if eval_tasks and (master or fsdp):  # {task: {'acc', 'acc_norm', ...}}
-            with ctx:
-                rec['zero_shot'] = zero_shot(raw_model, enc, eval_tasks,
-                                             raw_model.config.max_seq_len, device=device)
+        with holding_weights():  # as in the micro-steps
+            rec['val_loss'], rec['val_bpb'] = evaluate()
+            if eval_prompts and (master or fsdp):  # under FSDP every rank runs each forward
+                with ctx:  # greedy continuations, read beside the losses
+                    rec['samples'] = complete(raw_model, enc, eval_prompts, 48)
+            if grpo_heldout and (master or fsdp):  # each reward's mean, greedy completions
+                rec.update(rollouts.heldout_scores(raw_model))
+            if eval_tasks and (master or fsdp):  # {task: {'acc', 'acc_norm', ...}}
+                with ctx:
+                    rec['zero_shot'] = zero_shot(raw_model, enc, eval_tasks,
+                                                 raw_model.config.max_seq_len, device=device)
         improved = rec['val_loss'] < run.best_val - min_delta
         if improved:
             run.best_val, run.best_step, run.bad_evals = rec['val_loss'], step, 0

@@ -172,12 +172,14 @@ def test_training_curve_of_the_fast_path_equals_the_reference():
 
 
 def test_int8_path_is_exact_integer_arithmetic():
-    from bitlinear import int8_matmul
+    from bitlinear import integer_matmul
+    from kernels import int8_matmul
     a = torch.randint(-128, 128, (32, 64), dtype=torch.int8)
     b = torch.randint(-1, 2, (24, 64), dtype=torch.int8)
     expected = (a.long() @ b.long().t()).float()
     assert torch.equal(int8_matmul(a, b), expected)          # torch._int_mm on int8 units
     assert torch.equal(int8_matmul(a[:5], b), expected[:5])   # too few rows for it: the fp32 fallback
+    assert torch.equal(integer_matmul(a, b), expected)
 
 
 def saved_bytes(fn):
@@ -378,99 +380,103 @@ def test_outside_autocast_the_output_and_gradients_keep_their_dtype():
     assert all(d == [torch.float32] * 2 for _, d in backward.seen)
 
 
-def test_the_weight_is_quantized_once_per_value(monkeypatch):
-    """Micro-steps and their backwards reuse one quantized weight; every change of the
-    weight (an optimizer step, load_state_dict, a new Parameter, a dtype change) makes the
-    next forward quantize it again, and the output is then the definition's."""
+def quantizer_calls(monkeypatch):
+    """Counts of what BitLinear's forward path computes: weight quantizations, activation
+    quantizations and the backward's dequantizations of saved codes."""
     import bitlinear
-    calls = []
+    import kernels
+    calls = {'weight': 0, 'input': 0, 'dequantized': 0}
+    real = {'weight_quant': weight_quant, 'quantize_activations': kernels.quantize_activations,
+            'reused': kernels.reused}
 
-    def counted(w, scales='matrix'):
-        calls.append(w.shape)
-        return weight_quant(w, scales)
-    monkeypatch.setattr(bitlinear, 'weight_quant', counted)
+    def counted_weight_quant(w, scales='matrix'):
+        calls['weight'] += 1
+        return real['weight_quant'](w, scales)
+
+    def counted_quantize_activations(x):
+        calls['input'] += 1
+        return real['quantize_activations'](x)
+
+    def counted_reused(t, compute, *key):
+        def dequantize():
+            calls['dequantized'] += 1
+            return compute()
+        return real['reused'](t, dequantize if t.dtype == torch.int8 else compute, *key)
+    monkeypatch.setattr(bitlinear, 'weight_quant', counted_weight_quant)
+    monkeypatch.setattr(kernels, 'quantize_activations', counted_quantize_activations)
+    monkeypatch.setattr(kernels, 'reused', counted_reused)
+    return calls
+
+
+def test_holding_the_weights_quantizes_each_once_for_all_micro_steps_and_nothing_outside(monkeypatch):
+    """Inside kernels.holding_weights() micro-steps and their backwards reuse one quantized
+    weight; outside it every forward quantizes afresh; a new hold starts empty."""
+    import kernels
+    calls = quantizer_calls(monkeypatch)
     torch.manual_seed(0)
     layer = BitLinear(64, 32)
-    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2, fused=True)
     xs = torch.randn(3, 20, 64)
-    for x in xs:  # three micro-steps
+    with kernels.holding_weights():
+        for x in xs:  # three micro-steps
+            layer(x).square().sum().backward()
+    assert calls['weight'] == 1
+    for x in xs:
         layer(x).square().sum().backward()
-    assert len(calls) == 1
-    for change in ('step', 'load', 'parameter', 'dtype'):
-        if change == 'step':
-            opt.step()
-        if change == 'load':
-            layer.load_state_dict({'weight': torch.randn(32, 64)})
-        if change == 'parameter':
-            layer.weight = torch.nn.Parameter(torch.randn(32, 64))
-        if change == 'dtype':
-            layer.double()
-        before = len(calls)
-        y = layer(xs[0].to(layer.weight.dtype))
-        assert len(calls) == before + 1, change
-        monkeypatch.setattr(bitlinear, 'weight_quant', weight_quant)  # reference() as is
-        assert torch.equal(y, layer.reference(xs[0].to(layer.weight.dtype))), change
-        monkeypatch.setattr(bitlinear, 'weight_quant', counted)
-        layer(xs[1].to(layer.weight.dtype))
-        assert len(calls) == before + 1, change
+    assert calls['weight'] == 4
+    with kernels.holding_weights():
+        layer(xs[0])
+    assert calls['weight'] == 5 and kernels.held is None
 
 
-def test_projections_of_one_input_quantize_it_once_and_dequantize_its_codes_once(monkeypatch):
-    """q, k and v (gate and up) read one tensor: it is quantized once forward and its codes
-    dequantized once backward, with the definition's outputs and gradients bit for bit; an
-    in-place change of the input makes it quantize again; the codes go with the input."""
-    import gc
-    import bitlinear
-    quantized, dequantized = [], []
-
-    def counted(x):
-        quantized.append(x.shape)
-        return activation_quant(x)
-
-    class Counted(bitlinear.SharedValue):
-        def get(self, x, compute, *key):
-            return super().get(x, lambda: dequantized.append(x.shape) or compute(), *key)
-    monkeypatch.setattr(bitlinear, 'quantize_activations', counted)
-    monkeypatch.setattr(bitlinear, 'shared_inputs', Counted())
+def test_projections_of_one_input_share_its_codes_inside_a_hold_only(monkeypatch):
+    """q, k and v (gate and up) read one tensor: inside a hold it is quantized once forward
+    and its codes dequantized once backward, with the definition's outputs and gradients
+    bit for bit; an in-place change of the input makes it quantize again; outside a hold
+    each projection quantizes for itself; a model's block runs 4 quantizations, not 7."""
+    import kernels
+    calls = quantizer_calls(monkeypatch)
     torch.manual_seed(0)
     q, k, v = BitLinear(64, 48), BitLinear(64, 16), BitLinear(64, 16)
     x = torch.randn(2, 20, 64, requires_grad=True)
     runs = []
     for forward in ('forward', 'reference'):
-        h = x * 1.0  # the input norm's output in a model
-        outputs = [getattr(m, forward)(h) for m in (q, k, v)]
-        sum(o.square().sum() * (i + 1) for i, o in enumerate(outputs)).backward()
+        with kernels.holding_weights():
+            h = x * 1.0  # the input norm's output in a model
+            outputs = [getattr(m, forward)(h) for m in (q, k, v)]
+            sum(o.square().sum() * (i + 1) for i, o in enumerate(outputs)).backward()
         runs.append([*outputs, x.grad, q.weight.grad, k.weight.grad, v.weight.grad])
         x.grad = q.weight.grad = k.weight.grad = v.weight.grad = None
         if forward == 'forward':
-            assert len(quantized) == 1 and len(dequantized) == 1
+            assert calls['input'] == 1 and calls['dequantized'] == 1
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     h = x.detach() * 1.0
-    q(h)
-    k(h)
-    assert len(quantized) == 2
-    h.mul_(2)  # the same tensor, other values
-    assert torch.equal(v(h), v.reference(h))  # (the reference quantizes by itself)
-    assert len(quantized) == 3
-    del h
-    gc.collect()
-    assert bitlinear.shared_codes.value is None  # the codes went with their input
+    with kernels.holding_weights():
+        q(h)
+        k(h)
+        assert calls['input'] == 2
+        h.mul_(2)  # the same tensor, other values
+        assert torch.equal(v(h), v.reference(h))
+        assert calls['input'] == 3
+    for m in (q, k, v):  # no hold: each its own
+        m(h)
+    assert calls['input'] == 6
     torch.manual_seed(0)
     model = Transformer(ModelConfig(n_layer=2, bitnet=True))
-    before = len(quantized)
-    model(torch.randint(0, 256, (2, 16)))
-    assert len(quantized) - before == 2 * 4  # per block: q/k/v, o, gate/up, down
+    with kernels.holding_weights():
+        model(torch.randint(0, 256, (2, 16)))
+    assert calls['input'] - 6 == 2 * 4  # per block: q/k/v, o, gate/up, down
 
 
 def test_the_fused_activation_quantizer_gives_the_same_codes():
-    """torch.compile's fused quantizer (used on CUDA) against the eager one, here on the CPU:
-    the same int8 codes and scales, bit for bit, at several shapes (one dynamic graph)."""
-    from bitlinear import fused_activation_quant
+    """torch.compile's fused quantizer (kernels.py's, used on CUDA) against bitlinear's eager
+    one, here on the CPU: the same int8 codes and scales, bit for bit, at several shapes."""
+    import kernels
     torch.manual_seed(0)
     for shape in ((1, 64), (17, 96), (5, 3, 130)):
         x = torch.randn(shape) * torch.rand(shape[:-1] + (1,)) * 10
-        for got, want in zip(fused_activation_quant()(x), activation_quant(x)):
-            assert torch.equal(got, want), shape
+        x_q, s = activation_quant(x)
+        for got in (kernels.fused_quantize()(x), kernels.quantize_activations(x)):
+            assert torch.equal(got[0], x_q.to(torch.int8)) and torch.equal(got[1], s), shape
 
 
 # ------------------------------------------------------------------ one gamma per output row
@@ -564,15 +570,3 @@ def test_block_scales_are_each_blocks_absmean_and_reduce_to_the_matrix_scale_whe
     assert (y_block - y_matrix).abs().max() <= 4e-7 * y_matrix.abs().max()
     with pytest.raises(ValueError, match="q_proj has 300 inputs, no multiple of 256: use weight_scale='row'"):
         converted(nn.Linear(300, 6), 'block')
-
-
-def test_use_reference_runs_the_definition_and_back():
-    """BitLinear.use_reference: forward is `reference` itself (what bench.py compares the int8
-    Function with), and the int8 path again after use_reference(False)."""
-    torch.manual_seed(0)
-    layer, x = BitLinear(64, 32), torch.randn(5, 64, requires_grad=True)
-    layer.use_reference(True)
-    y = layer(x)
-    assert torch.equal(y, layer.reference(x)) and y.grad_fn.name() != 'BitLinearFunctionBackward'
-    layer.use_reference(False)
-    assert layer(x).grad_fn.name() == 'BitLinearFunctionBackward'
