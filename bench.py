@@ -4,6 +4,7 @@ bench.py decode   # tokens/s of ours (fp32, packed, fused) and llama.cpp, same w
                   # ours packed and bf16, eager and as CUDA graphs, transformers (CUDA)
 bench.py train    # a training step: ours, the fake-quant reference, fp32, transformers;
                   # eager and compiled
+bench.py train_against --against=REV  # the ~100M step / fp twin, here and at REV, in turns
 bench.py convert  # config/smollm.py's step run by train.py: ternary vs fp twin, per phase
 bench.py kernels_per_layer  # kernels (CUDA) or ops (CPU) one BitLinear runs forward + backward
 bench.py moe      # a mixture-of-experts training step against top_k and n_experts
@@ -20,6 +21,7 @@ import os
 import platform
 import runpy
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -525,6 +527,66 @@ def bench_convert(steps=6):
                           f"{tok / fp_tok[compiled]:9.2f}x", flush=True)
 
 
+# one tree's ~100M fp32 step (ours and the fp twin, as bench_train builds them), timed
+# once each per line read: bench_train_against runs one such process per tree
+TIMED_STEP = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import torch, bench
+from model import ModelConfig, Transformer
+cfg = dict(vocab_size=32000, n_layer=12, n_embd=768, n_head=12, n_kv_head=12,
+           intermediate_size=2048, max_seq_len=256)
+x, y = torch.randint(32000, (2, 8, 256), generator=torch.Generator().manual_seed(0))
+steps = []
+for bitnet in (True, False):
+    torch.manual_seed(0)
+    steps.append(bench.stepper(Transformer(ModelConfig(**cfg, bitnet=bitnet)), 'float32'))
+    steps[-1](x, y)
+print('ready', flush=True)
+for _ in sys.stdin:
+    ms = []
+    for step in steps:
+        start = time.perf_counter()
+        step(x, y)
+        ms.append(1e3 * (time.perf_counter() - start))
+    print(*ms, flush=True)
+"""
+
+
+def bench_train_against(rev='HEAD~1', rounds=8):
+    """The ~100M fp32 step's ratio to its fp twin, this tree against commit `rev` (a git
+    worktree), in alternating rounds of one run: each tree's two models in a process of
+    its own, which takes one round in turn (a slow spell of the machine hits both)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        other = os.path.join(tmp, 'tree')
+        subprocess.run(['git', 'worktree', 'add', '--detach', other, rev], cwd=ROOT,
+                       check=True, capture_output=True)
+        try:
+            trees = {'this tree': ROOT, rev: other}
+            workers = {name: subprocess.Popen([sys.executable, '-c', TIMED_STEP, tree],
+                                              cwd=tree, stdin=subprocess.PIPE,
+                                              stdout=subprocess.PIPE, text=True)
+                       for name, tree in trees.items()}
+            assert all(w.stdout.readline().strip() == 'ready' for w in workers.values())
+            ms = {name: [] for name in trees}
+            for r in range(rounds):
+                for name in list(trees)[::1 if r % 2 == 0 else -1]:
+                    workers[name].stdin.write('go\n')
+                    workers[name].stdin.flush()
+                    ms[name].append([float(t) for t in workers[name].stdout.readline().split()])
+            for w in workers.values():
+                w.stdin.close()
+                w.wait()
+        finally:
+            subprocess.run(['git', 'worktree', 'remove', '--force', other], cwd=ROOT)
+    print(f"\n~100M fp32 step, ours / fp twin, {rounds} alternating rounds")
+    for name, rows in ms.items():
+        median = statistics.median(ours / twin for ours, twin in rows)
+        best = min(ours for ours, _ in rows) / min(twin for _, twin in rows)
+        print(f"{name:>12}: median of the rounds' ratios {median:.3f}x, "
+              f"best against best {best:.3f}x")
+
+
 def bench_kernels_per_layer():
     """The kernels (CUDA: launches in the profiler) or aten ops (CPU) that one linear of
     SmolLM2's MLP shape (576 -> 1536, 16 x 1024 tokens) runs forward and backward: F.linear,
@@ -701,12 +763,14 @@ def bench_upload(steps=100, rate=1 << 20):
 if __name__ == '__main__':
     sections = dict(kernels=bench_matmul,
                     decode=bench_decode_cuda if device == 'cuda' else bench_decode,
-                    train=bench_train, convert=bench_convert,
+                    train=bench_train, train_against=bench_train_against,
+                    convert=bench_convert,
                     kernels_per_layer=bench_kernels_per_layer, moe=bench_moe,
                     curve=bench_curve, distill=bench_distill, upload=bench_upload)
     which, options = words(sys.argv[1:], allowed=sections)
-    configure({}, options)  # no settings: a --key=value is an unknown key, in one line
-    which = which or list(sections)
+    against = configure({'against': 'HEAD~1'}, options)['against']  # train_against's commit
+    sections['train_against'] = functools.partial(bench_train_against, against)
+    which = which or [s for s in sections if s != 'train_against']  # that one: on demand
     print(f"machine: {machine()}; last-level cache {cache_bytes() >> 20} MiB; "
           f"ternary path {kernels.best(device)!r}")
     for s in which:

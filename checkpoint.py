@@ -30,9 +30,10 @@ import uuid
 
 import torch
 from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from hub import TOKENIZER_FILES, inside, resolve_model
-from lora import add_lora, load_adapters, read_config
+from lora import WEIGHTS, add_lora, load_adapters, read_config
 from model import Transformer
 
 STATE = 'train_state.pt'
@@ -164,10 +165,19 @@ def open_found(ckpt, device='cpu', packed=True, tokenizer=''):
     model = Transformer.from_pretrained(base).to(device).eval()
     if lora:
         add_lora(model.layers, lora['r'], lora['lora_alpha'], lora['target_modules'])
-        load_adapters(model.layers, ckpt)
+        load_adapters(model.layers, adapter_weights(ckpt), ckpt)
     if packed and model.config.bitnet and not model.config.packed:
         model.freeze()
     return ckpt, model, tokenizer or tokenizer_of(ckpt) or 'bytes'
+
+
+def adapter_weights(ckpt):
+    """A LoRA checkpoint's adapter weights (PEFT's file), as tensors."""
+    file = os.path.join(ckpt, WEIGHTS)
+    try:
+        return load_file(file)
+    except (OSError, SafetensorError) as e:
+        raise ValueError(f"cannot read {file} ({e}); save the adapters again") from None
 
 
 def copy_tokenizer(tokenizer_file, dest):

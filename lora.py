@@ -19,7 +19,7 @@ import os
 
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from bitlinear import TARGETS
 
@@ -125,9 +125,9 @@ def read_config(path):
         return json.load(f)
 
 
-def load_adapters(layers, path):
-    """Load PEFT-layout adapter weights from `path` into the LoRALinears of `layers`."""
-    weights = load_file(os.path.join(path, WEIGHTS))
+def load_adapters(layers, weights, path):
+    """Load PEFT-layout adapter weights (checkpoint.adapter_weights of the checkpoint at
+    `path`) into the LoRALinears of `layers`."""
     weights = {k.removeprefix(PEFT_PREFIX): v for k, v in weights.items()}
     wrong = layers.load_state_dict(weights, strict=False)
     if wrong.unexpected_keys or any('.lora_' in k for k in wrong.missing_keys):

@@ -362,7 +362,7 @@ if lrc_rank and not model.config.lrc_rank:
 if lora_rank:  # QLoRA: the base frozen (ternary: packed 2-bit), fp adapters
     model = attach_lora(model, lora_rank, lora_alpha, targets).to(device)
     if saved:  # the adapters, at their exact values
-        load_adapters(model.layers, start)
+        load_adapters(model.layers, checkpoint.adapter_weights(start), start)
 model.checkpoint_activations(grad_ckpt)
 raw_model = model
 if master:

@@ -1,4 +1,5 @@
 """BitLinear's quantizers, STE and warmup, each checked against hand-computed values."""
+import os
 import weakref
 
 import pytest
@@ -570,3 +571,246 @@ def test_block_scales_are_each_blocks_absmean_and_reduce_to_the_matrix_scale_whe
     assert (y_block - y_matrix).abs().max() <= 4e-7 * y_matrix.abs().max()
     with pytest.raises(ValueError, match="q_proj has 300 inputs, no multiple of 256: use weight_scale='row'"):
         converted(nn.Linear(300, 6), 'block')
+
+
+# ------------------------------------------------------------------ nothing reused is ever stale
+
+def agrees_with_its_definition(layer, x):
+    """layer(x) and layer.reference(x): the outputs and the gradients of x and of every
+    parameter equal, bit for bit."""
+    runs = []
+    for forward in (layer, layer.reference):
+        x_in = x.clone().requires_grad_()
+        layer.zero_grad(set_to_none=True)
+        y = forward(x_in)
+        (y.square() * torch.linspace(0.5, 1.5, y.shape[-1])).sum().backward()
+        runs.append([y, x_in.grad, *(p.grad for p in layer.parameters())])
+    return all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def scale_in_numpy(layer):  # through a numpy view, which bumps no version counter
+    weights = layer.weight.detach().numpy()
+    weights *= 1.5
+
+
+def write_as_one_vector(layer):
+    vector = torch.nn.utils.parameters_to_vector(layer.parameters())
+    torch.nn.utils.vector_to_parameters(vector * 1.5, layer.parameters())
+
+
+def optimizer_step(kind):
+    def step(layer):
+        make = {'fused AdamW': lambda p: torch.optim.AdamW(p, lr=0.1, fused=True),
+                'unfused AdamW': lambda p: torch.optim.AdamW(p, lr=0.1, foreach=False),
+                'Muon': lambda p: torch.optim.Muon(p, lr=0.1)}[kind]
+        make([layer.weight]).step()
+    return step
+
+
+# every way a user's own loop may change a weight between two steps
+CHANGES = {
+    'weight.data.mul_': lambda layer: layer.weight.data.mul_(1.5),
+    'a numpy view': scale_in_numpy,
+    'vector_to_parameters': write_as_one_vector,
+    "scales 'matrix' -> 'row'": lambda layer: setattr(layer, 'scales', 'row'),
+    'an EMA through .data': lambda layer: layer.weight.data.mul_(0.5).add_(
+        torch.randn_like(layer.weight), alpha=0.5),
+    'SGD by hand, p.data.add_': lambda layer: layer.weight.data.add_(layer.weight.grad, alpha=-1.0),
+    'load_state_dict': lambda layer: layer.load_state_dict(
+        {'weight': torch.randn_like(layer.weight), 'bias': layer.bias.detach()}),
+    **{kind: optimizer_step(kind) for kind in ('fused AdamW', 'unfused AdamW', 'Muon')},
+}
+
+
+@pytest.mark.parametrize('change', CHANGES)
+def test_after_any_change_of_the_weight_outputs_and_gradients_are_the_definitions(change):
+    """A step as train.py runs it (micro-steps inside kernels.holding_weights()), then the
+    weight changed as a user's loop might: outside a hold and inside the next one, the
+    outputs and all gradients equal BitLinear.reference's bit for bit."""
+    import kernels
+    torch.manual_seed(0)
+    layer = BitLinear(64, 32, bias=True)
+    x = torch.randn(20, 64)  # 20 tokens: torch._int_mm where there are int8 units
+    with kernels.holding_weights():
+        layer(x).square().sum().backward()
+    before = layer(x).detach()
+    with torch.no_grad():
+        CHANGES[change](layer)
+    assert not torch.equal(layer(x), before), "the change changed nothing"
+    assert agrees_with_its_definition(layer, x)
+    with kernels.holding_weights():
+        assert agrees_with_its_definition(layer, x)
+
+
+def test_an_input_changed_through_data_between_two_projections_is_quantized_again():
+    """q quantizes h; h changes through .data (no version bump); k's output and gradients
+    are still the definition's."""
+    torch.manual_seed(0)
+    q, k = BitLinear(64, 48), BitLinear(64, 16)
+    x = torch.randn(20, 64, requires_grad=True)
+    h = x * 1.0
+    q(h)
+    h.data.mul_(2)
+    y = k(h)
+    y.square().sum().backward(retain_graph=True)  # h's own graph, again for the reference
+    grads = x.grad.clone(), k.weight.grad.clone()
+    x.grad = k.weight.grad = None
+    y_ref = k.reference(h)
+    y_ref.square().sum().backward()
+    assert torch.equal(y, y_ref) and torch.equal(grads[0], x.grad)
+    assert torch.equal(grads[1], k.weight.grad)
+
+
+BROADCAST = '''
+import sys
+import torch
+import torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import kernels
+from bitlinear import BitLinear
+dist.init_process_group('gloo')
+rank = dist.get_rank()
+torch.manual_seed(rank)  # other weights on each rank
+layer = BitLinear(64, 32)
+x = torch.randn(20, 64, generator=torch.Generator().manual_seed(0))
+with kernels.holding_weights():
+    layer(x).square().sum().backward()
+layer(x)
+for t in layer.state_dict().values():
+    dist.broadcast(t, 0)
+sys.path.insert(0, sys.argv[2])
+from test_bitlinear import agrees_with_its_definition
+y = layer(x).detach()
+ys = [torch.zeros_like(y) for _ in range(2)]
+dist.all_gather(ys, y)
+with kernels.holding_weights():
+    held = agrees_with_its_definition(layer, x)
+print(f"rank {rank}:", agrees_with_its_definition(layer, x), held, torch.equal(*ys))
+dist.destroy_process_group()
+'''
+
+
+def test_weights_broadcast_between_ranks_give_the_definitions_numbers_on_every_rank(tmp_path):
+    """dist.broadcast of the state dict's tensors on 2 gloo ranks (torchrun): rank 1's
+    outputs and gradients are the definition's for rank 0's weights, and equal rank 0's."""
+    import subprocess
+    import sys
+    script = tmp_path / 'broadcast.py'
+    script.write_text(BROADCAST)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2',
+                        str(script), root, os.path.join(root, 'tests')],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: True True True" in r.stdout, r.stdout
+
+
+IMPORT = '''
+import torch
+from torch.nn.modules import module
+from torch.optim import optimizer
+
+
+def hooks():
+    return [len(h) for h in (optimizer._global_optimizer_pre_hooks,
+                             optimizer._global_optimizer_post_hooks,
+                             module._global_forward_hooks, module._global_forward_pre_hooks,
+                             module._global_backward_hooks)]
+
+
+def state(m):
+    return {k: (id(v), repr(v)) for k, v in vars(m).items() if not k.startswith('__')}
+
+
+before = hooks()
+import bitlinear
+import kernels
+assert hooks() == before, (before, hooks())
+seen = state(bitlinear), state(kernels)
+net = torch.nn.Linear(4, 4)
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+net(torch.randn(2, 4)).sum().backward()
+opt.step()
+assert (state(bitlinear), state(kernels)) == seen
+print('unchanged')
+'''
+
+
+def test_importing_bitlinear_hooks_nothing_and_an_unrelated_step_changes_nothing_in_it():
+    """In a fresh process: importing bitlinear.py (and kernels.py beside it) registers no
+    optimizer or module hook, and an SGD step on an unrelated module changes no name of
+    either module."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, '-c', IMPORT], capture_output=True, text=True,
+                       timeout=120, cwd=root)
+    assert r.returncode == 0 and 'unchanged' in r.stdout, r.stderr[-2000:]
+
+
+def test_bitlinear_keeps_no_mutable_state_at_module_level():
+    """No `global` statement, and its top-level names bound by assignment are constants
+    (numbers, strings, tuples) or None (no kernels.py beside it)."""
+    import ast
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tree = ast.parse(open(os.path.join(root, 'bitlinear.py')).read())
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.Global)]
+    for node in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))]:
+        node.body = [ast.Pass()]  # only the module's own level
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            value = ast.literal_eval(node.value)
+            assert value is None or isinstance(value, (int, float, str, tuple)), ast.unparse(node)
+
+
+ALONE = '''
+import contextlib
+import json
+import sys
+import torch
+import torch.nn as nn
+import bitlinear
+hold = contextlib.nullcontext
+if len(sys.argv) > 1:  # with kernels.py: the micro-steps held, as train.py runs them
+    import kernels
+    hold = kernels.holding_weights
+assert (bitlinear.kernels is None) == (len(sys.argv) == 1)
+torch.manual_seed(0)
+net = nn.ModuleDict(dict(up_proj=nn.Linear(64, 96, bias=True), down_proj=nn.Linear(96, 64)))
+bitlinear.convert_to_bitnet(net, scales='row', input_norms=True)
+bitlinear.add_lrc(net, 4)
+opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+losses = []
+for step in range(5):
+    x = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(step))
+    with hold():
+        for micro in range(2):
+            loss = (net['down_proj'](torch.relu(net['up_proj'](x))) - x).square().mean()
+            loss.backward()
+    opt.step()
+    opt.zero_grad()
+    losses.append(loss.item())
+print(json.dumps(losses))
+'''
+
+
+def test_a_converted_net_trains_the_same_with_bitlinear_copied_alone(tmp_path):
+    """bitlinear.py alone in an empty folder: a net converted with it (row scales, input
+    norms, low-rank correction) trains 5 steps of 2 micro-steps to the same losses, bit for
+    bit, as with kernels.py beside it and its micro-steps held."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shutil.copy(os.path.join(root, 'bitlinear.py'), tmp_path)
+    (tmp_path / 'alone.py').write_text(ALONE)
+    runs = []
+    for cwd, args in ((tmp_path, []), (root, ['with kernels'])):
+        env = {**os.environ, 'PYTHONPATH': str(cwd)}
+        r = subprocess.run([sys.executable, str(tmp_path / 'alone.py'), *args], cwd=cwd,
+                           env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs.append(json.loads(r.stdout))
+    assert runs[0] == runs[1] and runs[0][-1] < runs[0][0]

@@ -157,14 +157,16 @@ def test_no_script_runs_another_files_text(name):
 
 @pytest.mark.parametrize('name', FILES)
 def test_only_checkpoint_opens_checkpoints(name):
-    """torch.load and Transformer.from_pretrained appear in checkpoint.py (and model.py,
-    which defines from_pretrained) only: every script opens a checkpoint through
-    checkpoint.load, so all find, verify and pick the tokenizer alike."""
+    """torch.load, safetensors' load_file / safe_open and Transformer.from_pretrained appear
+    in checkpoint.py (and model.py, which defines from_pretrained) only: every script opens
+    a checkpoint through checkpoint.py, so all find, verify and pick the tokenizer alike."""
     if name in ('checkpoint.py', 'model.py'):
         return
+    openers = ('torch.load', 'Transformer.from_pretrained', 'load_file', 'safe_open')
     for call in calls(name):
-        assert dotted(call.func) not in ('torch.load', 'Transformer.from_pretrained'), \
-            f"{name} opens a checkpoint itself ({dotted(call.func)})"
+        called = dotted(call.func)
+        assert called not in openers and not called.endswith(('.load_file', '.safe_open')), \
+            f"{name} opens a checkpoint itself ({called})"
 
 
 def own_attributes(name):
