@@ -56,9 +56,17 @@ def arguments(overrides):
 
 def new_sweep(path):
     """The state of the sweep a sweep file describes, every arm's arguments checked."""
-    spec = runpy.run_path(path)
+    try:
+        spec = runpy.run_path(path)
+    except Exception as e:  # its own mistake, in one line
+        raise SystemExit(f"error: sweep file {path}: {type(e).__name__}: {e}; fix it") from None
     arms = spec.get('arms') or {}
     grid = spec.get('grid') or {}
+    named_settings = isinstance(arms, dict) and all(isinstance(a, dict) for a in arms.values())
+    if not named_settings or not isinstance(grid, dict) or \
+            not all(isinstance(v, (list, tuple)) for v in grid.values()):
+        raise SystemExit(f"error: {path}: arms must be {{name: {{setting: value}}}} and grid "
+                         f"{{setting: [values]}}")
     for values in itertools.product(*grid.values()) if grid else ():
         combo = dict(zip(grid, values))
         arms['_'.join(f'{k}={v}' for k, v in combo.items())] = combo
@@ -109,10 +117,18 @@ def apply_commands(state):
     lines = open(path).read().splitlines() if os.path.exists(path) else []
     for line in lines[state['commands']:]:
         try:
-            command(state, json.loads(line))
+            words = json.loads(line)
         except json.JSONDecodeError:  # cut off by a crash mid-write: it never came
             print(f"warning: {path}: dropped the cut-off line {line!r}; queue that "
                   f"command again", file=sys.stderr)
+            continue
+        try:  # queue_command checked it; a line written by hand may be anything
+            if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+                raise SystemExit(f"{line!r} is no list of words")
+            command(state, words)
+        except SystemExit as e:
+            print(f"warning: {path}: dropped the command {line!r} "
+                  f"({str(e).removeprefix('error: ')})", file=sys.stderr)
     state['commands'] = len(lines)
 
 

@@ -202,7 +202,6 @@ class BitLinear(nn.Linear):
         return reused(self.weight, quantize, self.scales)
 
 
-
 TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
 
 

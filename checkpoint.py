@@ -22,6 +22,8 @@ import errno
 import hashlib
 import json
 import os
+import pickle
+import re
 import shutil
 import stat
 import subprocess
@@ -40,11 +42,35 @@ STATE = 'train_state.pt'
 MANIFEST = 'manifest.json'
 
 
+# a checkpoint's folder: exactly what save names it (ASCII digits: \d would take others);
+# nothing else (a copy 'ckpt_0000002.bak', a link) is ever read, rotated or removed as one
+NAME = re.compile(r'ckpt_[0-9]{7}')
+
+
 def checkpoints(folder):
-    """Complete checkpoints in a run's folder, oldest first
-    (saves in progress are .tmp_ckpt_*)."""
+    """Complete checkpoints in a run's folder, oldest first: real folders named as save
+    names them (saves in progress are .tmp_ckpt_*)."""
     names = os.listdir(folder) if os.path.isdir(folder) else []
-    return sorted(os.path.join(folder, n) for n in names if n.startswith('ckpt_'))
+    paths = [os.path.join(folder, n) for n in names if NAME.fullmatch(n)]
+    return sorted(p for p in paths if os.path.isdir(p) and not os.path.islink(p))
+
+
+def check_output(path, setting, made=False):
+    """A script's output path, checked before any work: its folder exists (unless the
+    script makes it), and neither it nor a folder above it is a checkpoint, where a file
+    written would damage it or overwrite its weights. Raises ValueError naming `setting`."""
+    real = os.path.realpath(path)
+    if not made and not os.path.isdir(os.path.dirname(real)):
+        raise ValueError(f"{setting}={path!r}: its folder does not exist; make it first "
+                         f"or set --{setting} elsewhere")
+    folder = real
+    while folder != os.path.dirname(folder):
+        name = os.path.basename(folder)
+        named = NAME.fullmatch(name) or name.startswith(('.tmp_ckpt_', 'damaged_ckpt_'))
+        if named or os.path.isfile(os.path.join(folder, MANIFEST)):
+            raise ValueError(f"{setting}={path!r} is inside the checkpoint {folder}; "
+                             f"set --{setting} outside it")
+        folder = os.path.dirname(folder)
 
 
 def fingerprint(path):
@@ -103,9 +129,14 @@ def latest(folder, set_aside=False, warn=True):
             return ckpt
         name = os.path.basename(ckpt)
         note = "falling back to the checkpoint before it"
-        if set_aside:
-            os.replace(ckpt, os.path.join(folder, 'damaged_' + name))
-            note = f"renamed to damaged_{name}, " + note
+        if set_aside:  # beside any set aside before at this step, never over it
+            aside = os.path.join(folder, 'damaged_' + name)
+            tries = 1
+            while os.path.lexists(aside):
+                aside = os.path.join(folder, f'damaged_{name}.{tries}')
+                tries += 1
+            os.replace(ckpt, aside)
+            note = f"renamed to {os.path.basename(aside)}, " + note
         if warn:
             print(f"warning: {ckpt}: {problem}; {note}", file=sys.stderr)
     raise FileNotFoundError(f"no intact checkpoint left in {folder!r}")
@@ -144,8 +175,24 @@ def tokenizer_of(ckpt):
         return ckpt
     state = os.path.join(ckpt, STATE)
     if os.path.isfile(state):
-        return torch.load(state, weights_only=True).get('tokenizer') or None
+        return read_state(state).get('tokenizer') or None
     return None
+
+
+def read_state(path):
+    """A training state file as plain tensors and containers (weights_only: a pickle that
+    would run code is refused, in one line, not torch's advice to load it unchecked)."""
+    try:
+        state = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError(f"{path} holds more than tensors and plain containers: refused, "
+                         "as loading it could run code; train from an intact checkpoint") from None
+    except (RuntimeError, EOFError, ValueError) as e:
+        first = (str(e).strip() or type(e).__name__).splitlines()[0]
+        raise ValueError(f"{path} is no readable training state ({first})") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} is no training state (not a dict)")
+    return state
 
 
 def load(src, device='cpu', packed=True, tokenizer=''):
@@ -258,7 +305,7 @@ def resume(folder, rank0=True):
         ckpt = latest(folder, set_aside=rank0, warn=rank0)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"{e}; start over with --init_from=scratch") from None
-    return ckpt, torch.load(os.path.join(ckpt, STATE), weights_only=True)
+    return ckpt, read_state(os.path.join(ckpt, STATE))
 
 
 def run_id(state):
@@ -271,11 +318,11 @@ def read_log(path):
     """A run's log.jsonl as its records. A line that is no record (the last one, cut off
     by a crash mid-write) is dropped with a warning."""
     records = []
-    with open(path) as f:
+    with open(path, 'rb') as f:  # bytes: a line that is no UTF-8 is one more bad line
         for number, line in enumerate(f, 1):
             try:
                 record = json.loads(line)
-            except ValueError:
+            except ValueError:  # UnicodeDecodeError included
                 record = None
             if isinstance(record, dict) and isinstance(record.get('step'), int):
                 records.append(record)

@@ -19,6 +19,7 @@ first; every script reads its arguments here and nowhere else.
 import ast
 import difflib
 import inspect
+import math
 import os
 
 RANGES = {
@@ -35,7 +36,9 @@ def _check(config, key, value):
         hint = f"; did you mean --{close[0]}?" if close else ""
         raise SystemExit(f"error: unknown config key {key!r}{hint}")
     default = config[key]
-    if default is None or value is None or type(value) is type(default):
+    if isinstance(value, float) and not math.isfinite(value):
+        raise SystemExit(f"error: {key}={value!r} is not a finite number; set a finite --{key}")
+    if default is None or type(value) is type(default):
         return value
     if type(default) is float and type(value) is int:
         return float(value)  # --lr=1 means 1.0
@@ -83,7 +86,14 @@ def configure(config, args, ranges=None):
                                  f"config files live in config/")
             scope = dict(config)
             with open(arg) as f:
-                exec(f.read(), scope)
+                source = f.read()
+            try:
+                exec(compile(source, arg, 'exec'), scope)
+            except Exception as e:  # its mistake, in one line: where and what
+                frame = e.__traceback__.tb_next  # the config file's own line
+                line = getattr(e, 'lineno', None) or (frame.tb_lineno if frame else '?')
+                raise SystemExit(f"error: config file {arg!r} line {line}: "
+                                 f"{type(e).__name__}: {e}; fix that line") from None
             for key, value in scope.items():
                 # imports and helpers a config file may use are not settings
                 if key.startswith('_') or inspect.ismodule(value) or callable(value):

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from checkpoint import load
+from checkpoint import check_output, load
 from configurator import configure
 from data import IGNORE, offline_corpus, read_shard, shard_paths
 from engine import llama_cpp_forward
@@ -283,9 +283,14 @@ def main(argv):
         out='')               # also write the JSON there
     ranges = {'limit': 'non-negative', 'batch_tokens': 'positive'}
     c = configure(settings, argv, ranges)
+    if c['device'].startswith('cuda') and not torch.cuda.is_available():
+        sys.exit(f"error: device={c['device']!r}, but this torch sees no CUDA GPU; "
+                 "set --device=cpu")
     tasks = [t + (f':{c["limit"]}' if c['limit'] else '') for t in c['tasks'].split(',') if t]
     try:
         check_tasks(tasks)
+        if c['out']:  # before the scoring, not after it
+            check_output(c['out'], 'out')
         val_shards = shard_paths(c['heldout'], 'val') if c['heldout'] else []
         if c['heldout'] and not val_shards:
             raise ValueError(f"--heldout={c['heldout']} holds no val shards (val_*.bin); "
@@ -303,6 +308,12 @@ def main(argv):
             result = {'ckpt': ckpt, 'bitnet': cfg.bitnet, 'packed': cfg.packed}
             max_len = cfg.max_seq_len
         enc = get_tokenizer(tokenizer)
+        if val is not None and len(val) < 2:
+            raise ValueError(f"--heldout={c['heldout']} holds {len(val)} token(s): nothing "
+                             "to predict; give it 2 or more")
+        if val is not None and val.max() >= enc.n_vocab:
+            raise ValueError(f"--heldout={c['heldout']} holds token id {val.max()}, past the "
+                             f"tokenizer's {enc.n_vocab}; make it with the model's tokenizer")
         result['tasks'] = zero_shot(forward, enc, tasks, max_len, c['batch_tokens'],
                                     device=c['device'])
         for name, scores in result['tasks'].items():

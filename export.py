@@ -45,6 +45,10 @@ globals().update(config)
 if bool(gguf) == bool(merge):
     sys.exit("error: name one output: --gguf=FILE (for llama.cpp) or --merge=DIR "
              "(a LoRA checkpoint's adapters merged into its fp base)")
+try:  # never into a checkpoint, which it would damage
+    checkpoint.check_output(gguf or merge, 'gguf' if gguf else 'merge', made=bool(merge))
+except ValueError as e:
+    sys.exit(f"error: {e}")
 
 try:
     ckpt, model, tokenizer = checkpoint.load(ckpt, 'cpu', True, tokenizer)

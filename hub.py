@@ -88,6 +88,15 @@ def linked_sha256(response):
     return None
 
 
+def linked_size(response):
+    """The hub's size of an LFS file (X-Linked-Size, on the redirect), or None."""
+    for r in (*response.history, response):
+        size = r.headers.get('X-Linked-Size', '')
+        if size.isdecimal():
+            return int(size)
+    return None
+
+
 def endpoint():
     return os.environ.get('HF_ENDPOINT', 'https://huggingface.co').rstrip('/')
 
@@ -153,13 +162,21 @@ def download(url, dest, timeout=60, wait=3600, tries=3):
                     raise DownloadError(message, code)
                 if code != 206:
                     have = 0  # 200: the server ignored the Range
-                size = have + int(r.headers.get('Content-Length', 0))
+                # the whole file's size: the hub's for a large (LFS) file, else what
+                # this reply announces after the bytes we have; 0 when neither is given
+                announced = r.headers.get('Content-Length', '')
+                size = have + int(announced) if announced.isdecimal() else 0
+                size = linked_size(r) or size
                 show = Progress(f"download {os.path.basename(dest)}", size, start=have)
                 with open(part, 'ab' if have else 'wb') as f:
                     for chunk in chunks(r):
                         f.write(chunk)
                         have += len(chunk)
                         show(have)
+                        if size and have > size:  # never past what the server announced
+                            os.remove(part)
+                            raise DownloadError(f"{url} sends more than the {size:,} bytes "
+                                                f"it announced; {local}")
                 show(have, last=True)
             break
         except (requests.ConnectionError, requests.Timeout, urllib3.exceptions.HTTPError) as e:

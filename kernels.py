@@ -446,11 +446,28 @@ torch::Tensor linear_w8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, i
 """
 
 
+def built(name, *sources, **options):
+    """torch's load_inline (which caches the build across runs), safe from a build killed
+    halfway: torch leaves its `lock` file, and every later build would wait on it forever.
+    Here each builder also holds an flock on a file beside it, which the operating system
+    drops when its process dies; so whoever holds that flock and finds a `lock` knows it
+    is a dead build's, removes it and says so in one line."""
+    import fcntl
+    from torch.utils.cpp_extension import _get_build_directory, load_inline
+    folder = _get_build_directory(name, verbose=False)
+    with open(os.path.join(folder, 'builder'), 'w') as builder:
+        fcntl.flock(builder, fcntl.LOCK_EX)  # a live builder's turn first
+        lock = os.path.join(folder, 'lock')
+        if os.path.exists(lock):
+            os.remove(lock)
+            warnings.warn(f"kernels.py: removed {lock}, left by a build that was killed")
+        return load_inline(name, *sources, **options)
+
+
 @functools.cache
 def cpp_extension():
-    from torch.utils.cpp_extension import load_inline  # torch caches the build across runs
-    return load_inline('nanobitnet_cpu', CPP, functions=['linear', 'linear_w8', 'simd'],
-                       extra_cflags=['-O3', '-fopenmp'], extra_ldflags=['-fopenmp'])
+    return built('nanobitnet_cpu', CPP, functions=['linear', 'linear_w8', 'simd'],
+                 extra_cflags=['-O3', '-fopenmp'], extra_ldflags=['-fopenmp'])
 
 
 def linear_cpp(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
@@ -629,13 +646,12 @@ torch::Tensor scale(torch::Tensor acc, torch::Tensor s, torch::Tensor gamma, int
 
 @functools.cache
 def cuda_extension():
-    from torch.utils.cpp_extension import load_inline  # built for this machine's GPU
     decl = ('std::vector<torch::Tensor> quantize(torch::Tensor x, int64_t Kp);\n'
             'torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor gamma);\n'
             'torch::Tensor scale(torch::Tensor acc, torch::Tensor s, torch::Tensor gamma, '
             'int64_t N);')
-    return load_inline('nanobitnet_cuda', decl, cuda_sources=GEMV_CU + LAUNCH_CU,
-                       functions=['quantize', 'gemv', 'scale'], extra_cuda_cflags=['-O3'])
+    return built('nanobitnet_cuda', decl, cuda_sources=GEMV_CU + LAUNCH_CU,  # for this GPU
+                 functions=['quantize', 'gemv', 'scale'], extra_cuda_cflags=['-O3'])
 
 
 # Unpacked int8 copies of packed weights for the tensor cores, made on a weight's first
@@ -812,7 +828,9 @@ def reused(t, compute, *key):
     """compute(); inside holding_weights(), the value computed before for this same tensor
     t (while it lives, unchanged) and key. Compiled code is traced, not kept; inference
     tensors keep no version counter."""
-    if held is None or torch.compiler.is_compiling() or t.is_inference():
+    # is_compiling first: torch.compile never reads `held`, so never guards (and
+    # recompiles) on it
+    if torch.compiler.is_compiling() or held is None or t.is_inference():
         return compute()
     key = (t.data_ptr(), t._version, t.dtype, t.device, *key)
     kept = held.get(t)

@@ -16,17 +16,16 @@ environment and files (AWS_ACCESS_KEY_ID, ~/.aws, AWS_ENDPOINT_URL, ...); no mes
 names them, and any such value found in an error is masked.
 """
 import os
-import re
 import shutil
 import sys
 import threading
 import time
 
 import checkpoint
-from hub import inside, plain_name
+from hub import endpoint, inside, plain_name, token_header
 
 SECRET_WORDS = ('KEY', 'SECRET', 'TOKEN', 'PASSWORD', 'CREDENTIAL')
-CKPT = re.compile(r'ckpt_\d{7}')  # a checkpoint's folder, as checkpoint.save names it
+CKPT = checkpoint.NAME  # a checkpoint's folder, as checkpoint.save names it (ASCII digits)
 OWNER = 'owner'
 
 
@@ -85,6 +84,11 @@ class Fsspec:
     """Any other URL fsspec knows: file://, gs:// (gcsfs), hf:// (huggingface_hub)."""
 
     def __init__(self, url):
+        if url.startswith('hf://') and not token_header(endpoint()) and \
+                os.environ.get('HF_TOKEN'):  # huggingface_hub would send it anyway
+            raise ValueError(f"HF_ENDPOINT={endpoint()} is plain http to another machine, "
+                             "where HF_TOKEN would travel readable; use https, or unset "
+                             "HF_TOKEN")
         import fsspec
         self.fs, self.root = fsspec.core.url_to_fs(url)
 
@@ -136,10 +140,17 @@ def open_store(url, run_id=None):
     """The store behind a URL, checked now: a missing bucket, a wrong credential or (given
     a run's id) a URL whose checkpoints belong to another run, or to no run, ends the run in
     one line before any training step. A URL without checkpoints is the run's to claim."""
+    if url.startswith('file://'):  # a local prefix: never inside a checkpoint
+        try:
+            checkpoint.check_output(url.removeprefix('file://'), 'upload_to', made=True)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
     try:
         store = S3(url) if url.startswith('s3://') else Fsspec(url)
         store.check()
-        if run_id and not listing(store.names())[0]:
+        # claimed once: a second run never takes over a prefix another run claimed,
+        # uploaded or not
+        if run_id and not listing(store.names())[0] and store.get_text(OWNER) is None:
             store.put_text(run_id, OWNER)
         owner = store.get_text(OWNER) if run_id else None  # read back: a claim may race
     except ImportError as e:
@@ -149,7 +160,8 @@ def open_store(url, run_id=None):
                          "the path and the credentials") from None
     if owner != run_id:
         raise SystemExit(f"error: {url} belongs to another run; set another "
-                         f"--upload_to, or resume that run with --init_from={url}")
+                         f"--upload_to, or resume that run with --init_from={url} "
+                         f"(a run that never uploaded: delete {url}/{OWNER})")
     return store
 
 

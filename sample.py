@@ -46,6 +46,8 @@ ranges = {'prompt': 'non-empty', 'num_tokens': 'positive', 'temperature': 'non-n
           'top_k': 'positive'}
 config = configure(settings, sys.argv[1:], ranges)
 globals().update(config)
+if device.startswith('cuda') and not torch.cuda.is_available():
+    sys.exit(f"error: device={device!r}, but this torch sees no CUDA GPU; set --device=cpu")
 
 try:
     if prompts:

@@ -29,6 +29,7 @@ from configurator import configure, words
 from report import write_svg
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+MINE = '.sweep_arm'  # the mark of an arm's folder this sweep made: no other is ever removed
 
 
 def next_arm(state, busy):
@@ -66,9 +67,27 @@ def worker_env(slot, workers):
     return env
 
 
+def fresh_folder(folder):
+    """An empty arm folder, marked as this sweep's. One that holds no checkpoint is
+    emptied only when this sweep made it and holds nothing set aside (damaged_*): else
+    the arm fails in one line and nothing is removed."""
+    if os.path.lexists(folder):
+        names = os.listdir(folder) if os.path.isdir(folder) else []
+        if MINE not in names or os.path.islink(folder):
+            raise ValueError(f"{folder} exists and was not made by this sweep; "
+                             "move it away or rename the arm")
+        if any(n.startswith('damaged_') for n in names):
+            raise ValueError(f"{folder} holds only set-aside checkpoints (damaged_*); "
+                             "move them away to train the arm from its start again")
+        shutil.rmtree(folder)
+    os.makedirs(folder)
+    open(os.path.join(folder, MINE), 'w').close()
+
+
 def start_chunk(state, name, env):
     """Start arm `name`'s next chunk: its run resumed (or started) in a process that stops
-    at the chunk's end. None if the chunk is saved already (a sweep killed just after)."""
+    at the chunk's end. None if the chunk is saved already (a sweep killed just after), or
+    if its folder cannot be its own (the arm fails, see fresh_folder)."""
     arm, M, n = state['arms'][name], state['max_steps'], state['chunks']
     folder = os.path.join(state['dir'], name)
     end = M * (arm['done'] + 1) // n
@@ -78,7 +97,12 @@ def start_chunk(state, name, env):
     if saved:
         start = ['--init_from=resume']
     else:
-        shutil.rmtree(folder, ignore_errors=True)  # a start killed before its first save
+        try:
+            fresh_folder(folder)  # a start killed before its first save leaves its own
+        except (OSError, ValueError) as e:
+            arm['status'] = f'failed: {e}'
+            print(f"error: arm {name}: {e}", file=sys.stderr)
+            return None
         parent = arm['parent']
         start = [f"--init_from={os.path.join(state['dir'], parent)}"] if parent else []
     cmd = [sys.executable, 'train.py', *state['base'], *arm['args'],
@@ -91,6 +115,8 @@ def start_chunk(state, name, env):
 def finish_chunk(state, name, code):
     """Count a finished chunk, or mark the arm failed with train.py's last error line."""
     arm = state['arms'][name]
+    if arm['status'].startswith('failed'):  # it never started (start_chunk)
+        return
     if code:
         with open(os.path.join(state['dir'], f'{name}.stderr')) as f:
             arm['status'] = 'failed: ' + (f.read().strip().splitlines() or ['?'])[-1]
@@ -135,6 +161,9 @@ def main(argv):
     if state is None:
         raise SystemExit(f"error: {where[0]!r} is no sweep file and no sweep's folder")
     if argv[at:]:
+        if not os.path.exists(path):
+            raise SystemExit(f"error: the sweep {where[0]} has not started; start it with "
+                             f"python sweep.py {where[0]}, then send {argv[at]}")
         queue_command(state, argv[at:])
     else:
         run(state, path, workers)

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from checkpoint import load
+from checkpoint import check_output, load
 from configurator import configure
 from data import shard_paths, write_documents
 from engine import teacher_text
@@ -49,8 +49,14 @@ ranges = {'out': 'non-empty', 'tokens': 'positive', 'length': 'positive',
           'batch_size': 'positive'}
 config = configure(settings, sys.argv[1:], ranges)
 globals().update(config)
+if device.startswith('cuda') and not torch.cuda.is_available():
+    sys.exit(f"error: device={device!r}, but this torch sees no CUDA GPU; set --device=cpu")
 if shard_paths(out, 'train') or shard_paths(out, 'val'):
     sys.exit(f"error: {out} already holds token shards; delete them or use another --out")
+try:
+    check_output(out, 'out', made=True)
+except ValueError as e:
+    sys.exit(f"error: {e}")
 if greedy + 2 > length:
     sys.exit(f"error: greedy={greedy} leaves nothing to sample in length={length}; "
              "lower greedy or raise length")

@@ -12,12 +12,14 @@ with a dict (objectives.py reads it):
 
 This file needs torch, requests and objectives.py (whose run_model calls a model).
 """
+import json
 import math
 import time
 
 import requests
 import torch
 
+from hub import chunks
 from objectives import run_model
 
 
@@ -104,23 +106,39 @@ class RemoteTeacher:
             top = []
             for key, value in entry.items():
                 logprob = value.get('logprob') if isinstance(value, dict) else None
-                number = isinstance(logprob, (int, float))
-                # NaN and +inf fail the comparison; -inf (probability 0) is a logprob
-                if not number or not -math.inf <= logprob < math.inf:
-                    raise ValueError(f"entry {i}: key {key[:20]!r} has no logprob")
+                # a real number (True is an int in Python), at most 0: a probability's
+                # log; NaN fails the comparison, -inf (probability 0) is one
+                number = type(logprob) in (int, float)
+                if not number or not -math.inf <= logprob <= 0:
+                    raise ValueError(f"entry {i}: key {key[:20]!r} has no logprob <= 0")
                 top.append((logprob, self.token(key)))
             top = sorted(top, key=lambda pair: -pair[0])[:self.top_k]
             answer.append(([t for _, t in top], [lp for lp, _ in top]))
         return answer
+
+    def reply(self, body, n):
+        """The server's JSON reply to body (n tokens), read as it arrives: whole within
+        `timeout` seconds (a per-read timeout alone never trips on a byte a second), and
+        never past a stated cap, 256 bytes per entry of the top k (vLLM sends about 70)."""
+        deadline, cap = time.monotonic() + self.timeout, 4096 + 256 * n * (self.top_k + 1)
+        data = bytearray()
+        with requests.post(self.url, json=body, timeout=self.timeout, stream=True) as r:
+            r.raise_for_status()
+            for chunk in chunks(r):
+                data += chunk
+                if len(data) > cap:
+                    raise ValueError(f"its reply runs past {cap:,} bytes")
+                if time.monotonic() > deadline:
+                    raise requests.Timeout(f"no whole reply in {self.timeout:.0f} s")
+        return json.loads(data)
 
     def post(self, ids):
         body = {'model': self.model, 'prompt': ids, 'max_tokens': 1, 'temperature': 0,
                 'prompt_logprobs': self.top_k}
         for attempt in range(self.retries + 1):
             try:
-                r = requests.post(self.url, json=body, timeout=self.timeout)
-                r.raise_for_status()
-                return self.checked(r.json()['choices'][0]['prompt_logprobs'], len(ids))
+                reply = self.reply(body, len(ids))
+                return self.checked(reply['choices'][0]['prompt_logprobs'], len(ids))
             except (requests.RequestException, ValueError, KeyError, IndexError,
                     TypeError) as e:
                 error = e

@@ -104,10 +104,12 @@ def hf_encoding(path):
     ids."""
     with open(path, encoding='utf-8') as f:
         tj = json.load(f)
-    model = tj.get('model', {})
     unsupported = (f"{path}: only a byte-level BPE tokenizer.json "
                    f"(GPT-2, Llama 3, SmolLM2, Qwen style) can be converted; "
                    f"use one of those, a tiktoken name or 'bytes'")
+    if not isinstance(tj, dict) or not isinstance(tj.get('model', {}), dict):
+        raise ValueError(f"{unsupported}; this one is no JSON object with a 'model'")
+    model = tj.get('model', {})
     normalizer = tj.get('normalizer')
     nfc = normalizer == {'type': 'NFC'}
     prefixed = model.get('byte_fallback') or model.get('continuing_subword_prefix')
@@ -228,16 +230,31 @@ def chat_template_text(folder):
 
 
 def chat_turns(row):
-    """(role, text) pairs from the three common layouts of a chat jsonl line."""
+    """(role, text) pairs from the three common layouts of a chat jsonl line; a
+    ValueError, saying what it holds, for anything else."""
+    if not isinstance(row, dict):
+        raise ValueError(f"a chat line is a JSON object, not {type(row).__name__}")
     if 'messages' in row:
-        return [(m['role'], m['content']) for m in row['messages']]
-    if 'conversations' in row:  # ShareGPT
-        turns = row['conversations']
-        return [(ROLES.get(m['from'], m['from']), m['value']) for m in turns]
-    if 'prompt' in row and 'response' in row:
-        return [('user', row['prompt']), ('assistant', row['response'])]
-    raise ValueError(f"a chat line needs 'messages', 'conversations' or 'prompt' and "
-                     f"'response'; this one has {sorted(row)}")
+        turns = [(m.get('role'), m.get('content')) for m in listed(row, 'messages')]
+    elif 'conversations' in row:  # ShareGPT
+        turns = [(m.get('from'), m.get('value')) for m in listed(row, 'conversations')]
+        turns = [(ROLES.get(r, r) if isinstance(r, str) else r, text) for r, text in turns]
+    elif 'prompt' in row and 'response' in row:
+        turns = [('user', row['prompt']), ('assistant', row['response'])]
+    else:
+        raise ValueError(f"a chat line needs 'messages', 'conversations' or 'prompt' and "
+                         f"'response'; this one has {sorted(row)}")
+    if not all(isinstance(role, str) and isinstance(text, str) for role, text in turns):
+        raise ValueError("a chat line's every turn needs a role and a text (strings)")
+    return turns
+
+
+def listed(row, key):
+    """row[key], which must be a list of objects (a chat's turns)."""
+    if not isinstance(row[key], list) or not all(isinstance(m, dict) for m in row[key]):
+        raise ValueError(f"a chat line's {key!r} must be a list of objects, not "
+                         f"{json.dumps(row[key])[:40]}")
+    return row[key]
 
 
 def render_chat(enc, turns, template=None):

@@ -278,7 +278,7 @@ saved = None  # the training state of the checkpoint we resume
 if resume:
     try:
         start, saved = checkpoint.resume(out_dir, master)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
 elif init_from != 'scratch':
     start = located(init_from)
@@ -333,7 +333,8 @@ def batches_of(size):
 
 # model: from scratch, from the last checkpoint, or from a Hugging Face directory
 if init_from != 'scratch':
-    model = load(base, found=True).train()
+    # a LoRA run's base is verified on resume as at its start (its checkpoint: already)
+    model = load(base, found=base == start).train()
     if enc.n_vocab > model.config.vocab_size:
         sys.exit(f"error: tokenizer {tokenizer_name!r} has {enc.n_vocab} tokens but the "
                  f"model only {model.config.vocab_size}; use the model's tokenizer")

@@ -381,6 +381,24 @@ def test_outside_autocast_the_output_and_gradients_keep_their_dtype():
     assert all(d == [torch.float32] * 2 for _, d in backward.seen)
 
 
+
+@pytest.mark.slow
+def test_a_compiled_layer_compiles_once_across_holds():
+    """train.py enters kernels.holding_weights() every step: a compiled model must not
+    recompile for it (torch.compile never reads the hold)."""
+    import kernels
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = BitLinear(64, 48)
+    compiled = torch.compile(layer, dynamic=False)
+    x = torch.randn(2, 32, 64)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(3):
+            with kernels.holding_weights():
+                compiled(x).square().sum().backward()
+        compiled(x).square().sum().backward()  # and outside a hold
+
+
 def quantizer_calls(monkeypatch):
     """Counts of what BitLinear's forward path computes: weight quantizations, activation
     quantizations and the backward's dequantizations of saved codes."""
@@ -698,8 +716,8 @@ def test_weights_broadcast_between_ranks_give_the_definitions_numbers_on_every_r
     script = tmp_path / 'broadcast.py'
     script.write_text(BROADCAST)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2',
-                        str(script), root, os.path.join(root, 'tests')],
+    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone',
+                        '--nproc_per_node=2', str(script), root, os.path.join(root, 'tests')],
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     for rank in (0, 1):

@@ -362,16 +362,23 @@ def test_an_uploader_whose_url_another_run_took_deletes_nothing_and_warns_once(s
     assert 'ckpt_0000003/manifest.json' not in files
 
 
-def test_a_url_without_checkpoints_is_claimed_and_one_with_another_runs_is_refused(s3_env):
-    """A run that stopped before its first save left only its owner: the next run claims the
-    URL. Once that URL holds a checkpoint, a third run is refused and the owner stays."""
-    put(s3_env, 'claim/', {'owner': b'stopped-early'})
-    remote.open_store('s3://runs/claim', 'next')
-    assert remote_files(s3_env, 'claim/') == {'owner': b'next'}
+def test_a_url_is_claimed_once_and_a_second_run_is_refused_before_its_first_upload_too(s3_env):
+    """An empty URL is claimed by the first run that opens it. A second run is refused while
+    the first has uploaded nothing yet (it would take the prefix over) and once it has; the
+    owner stays. Deleting the owner of a run that never uploaded frees the URL."""
+    remote.open_store('s3://runs/claim', 'first')
+    assert remote_files(s3_env, 'claim/') == {'owner': b'first'}
+    with pytest.raises(SystemExit, match='error: s3://runs/claim belongs to another run'):
+        remote.open_store('s3://runs/claim', 'second')
     put(s3_env, 'claim/', {'ckpt_0000001/manifest.json': b'{}'})
     with pytest.raises(SystemExit, match='error: s3://runs/claim belongs to another run'):
         remote.open_store('s3://runs/claim', 'third')
-    assert remote_files(s3_env, 'claim/')['owner'] == b'next'
+    assert remote_files(s3_env, 'claim/')['owner'] == b'first'
+    client = boto3.client('s3', **s3server.client_args(s3_env[1]))
+    for key in ('claim/ckpt_0000001/manifest.json', 'claim/owner'):
+        client.delete_object(Bucket='runs', Key=key)
+    remote.open_store('s3://runs/claim', 'fourth')
+    assert remote_files(s3_env, 'claim/') == {'owner': b'fourth'}
 
 
 @pytest.mark.slow
@@ -389,7 +396,8 @@ def test_a_run_owns_its_upload_url_and_another_is_refused_before_training(s3, tm
     b = train(env, f'--out_dir={tmp_path / "b"}', f'--upload_to={url}', '--max_steps=4')
     assert b.returncode == 1 and b.stderr == (f"error: {url} belongs to another run; set "
                                               f"another --upload_to, or resume that run with "
-                                              f"--init_from={url}\n")
+                                              f"--init_from={url} (a run that never uploaded: "
+                                              f"delete {url}/owner)\n")
     assert not os.path.exists(tmp_path / 'b' / 'log.jsonl')
     assert remote_files(s3, 'shared/') == first
     again = train(env, f'--out_dir={tmp_path / "a"}', '--init_from=resume', f'--upload_to={url}',

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -34,6 +35,10 @@ def entry(token, k, trouble):
         top[str(token)] = {'rank': 1}
     if trouble == 'nan logprob':
         top[str(token)] = {'logprob': float('nan')}
+    if trouble == 'positive logprob':
+        top[str(token)] = {'logprob': 50.0}
+    if trouble == 'true logprob':
+        top[str(token)] = {'logprob': True}
     return top
 
 
@@ -85,6 +90,8 @@ def test_a_good_reply_lines_up_with_the_student_positions():
     ('too few', "entry 1 does not hold the top 3 tokens"),
     ('no logprob', "has no logprob"),
     ('nan logprob', "has no logprob"),
+    ('positive logprob', "has no logprob <= 0"),
+    ('true logprob', "has no logprob <= 0"),
     ('one entry short', "prompt_logprobs is not a list of 5 entries"),
 ])
 def test_a_bad_reply_is_retried_then_refused_in_one_line(trouble, says):
@@ -117,3 +124,45 @@ def test_a_bad_reply_ends_a_training_run_in_one_line(tmp_path):
     assert r.returncode == 1 and 'Traceback' not in r.stderr, r.stderr
     assert r.stderr.splitlines()[-1].startswith(f"error: teacher server {url}")
     assert r.stderr.count('error:') == 1
+
+
+def dripping_server(body_bytes, per_second):
+    """A vLLM-shaped server that sends a 200, then body_bytes bytes (no Content-Length) at
+    per_second bytes a second, or as fast as it can (None)."""
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers['Content-Length']))
+            self.send_response(200)
+            self.end_headers()
+            try:
+                for start in range(0, body_bytes, 1 if per_second else 1 << 16):
+                    self.wfile.write(b' ' * (1 if per_second else min(1 << 16, body_bytes - start)))
+                    self.wfile.flush()
+                    if per_second:
+                        time.sleep(1 / per_second)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+
+        def log_message(self, *args):
+            pass
+    server = ThreadingHTTPServer(('127.0.0.1', 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f'http://127.0.0.1:{server.server_address[1]}'
+
+
+@pytest.mark.parametrize('body_bytes, per_second, says', [
+    (10 ** 6, 20, 'no whole reply in 2 s'),  # a byte at a time: no read ever times out
+    (600 * 2 ** 20, None, 'its reply runs past'),  # 600 MiB, fast
+])
+def test_a_slow_or_endless_reply_ends_in_one_line_within_the_deadline(body_bytes, per_second, says):
+    server, url = dripping_server(body_bytes, per_second)
+    teacher = RemoteTeacher(url, 'tiny', top_k=3, timeout=2.0, retries=0, vocab_size=VOCAB)
+    start = time.monotonic()
+    try:
+        with pytest.raises(SystemExit) as refused:
+            teacher(torch.tensor([[3, 7, 11, 49]]), torch.tensor([[7, 11, 49, 5]]))
+    finally:
+        server.shutdown()
+    assert says in str(refused.value) and '\n' not in str(refused.value)
+    assert time.monotonic() - start < 10

@@ -1,0 +1,380 @@
+"""Nothing the project did not write is removed, nothing is written into a checkpoint, and
+careless input ends in one line: each through the real code a user runs."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import checkpoint
+import remote
+import sweep
+from configurator import configure
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ['--n_layer=1', '--n_embd=32', '--n_head=2', '--n_kv_head=1', '--intermediate_size=64',
+        '--batch_size=2', '--block_size=32', '--eval_iters=2', '--log_interval=1',
+        '--sample_tokens=0', '--warmup_steps=1']
+
+
+def run(script, *args):
+    return subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+
+
+def one_line_error(r):
+    lines = r.stderr.strip().splitlines()
+    return r.returncode != 0 and len(lines) == 1 and lines[0].startswith('error:')
+
+
+def files(folder):
+    return sorted(os.path.relpath(os.path.join(d, f), folder)
+                  for d, _, names in os.walk(folder) for f in names)
+
+
+def arm_state(folder):
+    """A sweep's state with one arm, 'a', about to start its first chunk."""
+    arm = {'done': 0, 'parent': None, 'args': [], 'status': 'running'}
+    return {'arms': {'a': arm}, 'max_steps': 8, 'chunks': 4, 'dir': str(folder), 'base': []}
+
+
+def test_a_sweep_never_removes_an_arm_folder_it_did_not_make(tmp_path):
+    """A folder of the user's named like an arm stays as it is: the arm fails in one line."""
+    (tmp_path / 'a').mkdir()
+    (tmp_path / 'a' / 'notes.txt').write_text('mine')
+    state = arm_state(tmp_path)
+    assert sweep.start_chunk(state, 'a', dict(os.environ)) is None
+    assert (tmp_path / 'a' / 'notes.txt').read_text() == 'mine'
+    assert state['arms']['a']['status'].startswith('failed: ')
+    assert 'was not made by this sweep' in state['arms']['a']['status']
+    sweep.finish_chunk(state, 'a', 0)
+    assert state['arms']['a']['done'] == 0
+
+
+def test_a_sweep_never_removes_set_aside_checkpoints(tmp_path):
+    """An arm of the sweep's own that holds only damaged_ckpt_* and its log: kept, the arm
+    fails in one line (before, a resume deleted them and trained from scratch)."""
+    folder = tmp_path / 'a'
+    folder.mkdir()
+    (folder / sweep.MINE).write_text('')
+    (folder / 'damaged_ckpt_0000002').mkdir()
+    (folder / 'damaged_ckpt_0000002' / 'model.safetensors').write_bytes(b'x' * 10)
+    (folder / 'log.jsonl').write_text('{"step": 2, "loss": 1.0}\n')
+    before = files(folder)
+    state = arm_state(tmp_path)
+    assert sweep.start_chunk(state, 'a', dict(os.environ)) is None
+    assert files(folder) == before and 'set-aside' in state['arms']['a']['status']
+
+
+def test_a_sweep_empties_only_its_own_folder_of_a_start_killed_before_its_first_save(tmp_path):
+    folder = tmp_path / 'a'
+    folder.mkdir()
+    (folder / sweep.MINE).write_text('')
+    (folder / 'log.jsonl').write_text('{"step": 1, "loss": 1.0}\n')
+    sweep.fresh_folder(str(folder))
+    assert os.listdir(folder) == [sweep.MINE]
+
+
+def test_only_ckpt_and_seven_ascii_digits_name_a_checkpoint(tmp_path):
+    """Copies, other digits and links are never read, rotated or removed as checkpoints."""
+    arabic = 'ckpt_' + '\u0660' * 6 + '\u0662'  # Arabic-Indic digits: \d takes them
+    for name in ('ckpt_0000001', 'ckpt_0000002.bak', 'ckpt_0000001 copy', arabic,
+                 'ckpt_00000003', 'damaged_ckpt_0000004'):
+        (tmp_path / name).mkdir()
+    os.symlink(tmp_path / 'ckpt_0000001', tmp_path / 'ckpt_0000009')
+    assert checkpoint.checkpoints(str(tmp_path)) == [str(tmp_path / 'ckpt_0000001')]
+    assert remote.CKPT.fullmatch('ckpt_0000002')
+    assert not remote.CKPT.fullmatch(arabic)
+
+
+def test_a_checkpoint_damaged_twice_at_one_step_is_set_aside_beside_the_first(tmp_path):
+    """The second set-aside at step 2 takes a new name instead of an OSError traceback."""
+    for name in ('ckpt_0000002', 'damaged_ckpt_0000002'):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / 'model.safetensors').write_bytes(name.encode())
+    with pytest.raises(FileNotFoundError, match='no intact checkpoint left'):
+        checkpoint.latest(str(tmp_path), set_aside=True, warn=False)
+    assert (tmp_path / 'damaged_ckpt_0000002' / 'model.safetensors').read_bytes() == \
+        b'damaged_ckpt_0000002'
+    assert (tmp_path / 'damaged_ckpt_0000002.1' / 'model.safetensors').read_bytes() == \
+        b'ckpt_0000002'
+
+
+@pytest.mark.parametrize('inside', ['ckpt_0000002/model.gguf', 'ckpt_0000002/model.safetensors',
+                                    'ckpt_0000002', 'copied/m.gguf'])
+def test_no_output_goes_into_a_checkpoint(tmp_path, inside):
+    """export.py's --gguf and --merge, eval.py's --out and teach.py's --out refuse a path
+    inside a checkpoint folder (named as save names it, or holding a manifest) before any
+    work, in one line; the checkpoint is left as it was."""
+    for folder in ('ckpt_0000002', 'copied'):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / 'model.safetensors').write_bytes(b'weights')
+        (tmp_path / folder / checkpoint.MANIFEST).write_text('{}')
+    before = files(tmp_path)
+    target = str(tmp_path / inside)
+    for script, args in (('export.py', [f'--gguf={target}']), ('export.py', [f'--merge={target}']),
+                         ('eval.py', [f'--out={target}', '--tasks=']),
+                         ('teach.py', [f'--out={target}'])):
+        r = run(script, f'--ckpt={tmp_path / "nowhere"}', *args)
+        assert one_line_error(r) and 'inside the checkpoint' in r.stderr, (script, r.stderr)
+    assert files(tmp_path) == before
+    with pytest.raises(ValueError, match='inside the checkpoint'):
+        checkpoint.check_output(target, 'gguf')
+
+
+def test_eval_refuses_an_out_file_it_cannot_write_before_scoring(tmp_path):
+    r = run('eval.py', f'--out={tmp_path / "missing" / "r.json"}', '--tasks=',
+            f'--ckpt={tmp_path / "nowhere"}')
+    assert one_line_error(r) and 'its folder does not exist' in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize('arg, message', [
+    ('--learning_rate=1e999', 'learning_rate=inf is not a finite number'),
+    ('--learning_rate=-1e999', 'learning_rate=-inf is not a finite number'),
+    ('--max_steps=None', 'max_steps must be int, got None'),
+])
+def test_numbers_are_finite_and_none_is_no_number(tmp_path, arg, message):
+    r = run('train.py', arg, f'--out_dir={tmp_path / "o"}')
+    assert one_line_error(r) and message in r.stderr, r.stderr
+    assert not os.path.exists(tmp_path / 'o' / 'log.jsonl')
+
+
+@pytest.mark.parametrize('text, message', [
+    ('learning_rate = (\n', "line 1: SyntaxError"),
+    ('max_steps = 10\nlearning_rate = 1 / 0\n', "line 2: ZeroDivisionError: division by zero"),
+    ('import not_a_module_anywhere\n', "line 1: ModuleNotFoundError"),
+])
+def test_a_config_file_that_raises_is_one_line_naming_its_line(tmp_path, text, message):
+    path = tmp_path / 'bad.py'
+    path.write_text(text)
+    r = run('train.py', str(path), f'--out_dir={tmp_path / "o"}')
+    assert one_line_error(r) and f"config file {str(path)!r} {message}" in r.stderr, r.stderr
+    with pytest.raises(SystemExit, match=message):
+        configure({'max_steps': 1, 'learning_rate': 1.0}, [str(path)])
+
+
+def test_a_resumed_lora_run_verifies_its_base_as_at_its_start(tmp_path):
+    """One flipped byte in the base checkpoint's weights: the resume ends in one line
+    instead of training on the damaged base to NaN."""
+    base_run, lora_run = tmp_path / 'base', tmp_path / 'lora'
+    r = run('train.py', *TINY, '--max_steps=2', '--eval_interval=2', f'--out_dir={base_run}')
+    assert r.returncode == 0, r.stderr
+    base = base_run / 'ckpt_0000002'
+    lora = [*TINY, f'--init_from={base}', '--lora_rank=2', '--max_steps=4', '--eval_interval=2',
+            f'--out_dir={lora_run}']
+    r = run('train.py', *lora, '--stop_after=2')
+    assert r.returncode == 0, r.stderr
+    weights = base / 'model.safetensors'
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    before = files(lora_run)
+    r = run('train.py', *lora, '--init_from=resume')
+    assert one_line_error(r) and 'sha256' in r.stderr, r.stderr
+    assert files(lora_run) == before
+    assert json.loads((lora_run / 'log.jsonl').read_text().splitlines()[-1])['step'] == 2
+
+
+@pytest.mark.parametrize('script', ['sample.py', 'eval.py', 'teach.py'])
+def test_a_cuda_device_without_cuda_is_one_line(tmp_path, script):
+    extra = [f'--out={tmp_path / "shards"}'] if script == 'teach.py' else []
+    r = run(script, '--device=cuda', f'--ckpt={tmp_path / "nowhere"}', *extra)
+    assert one_line_error(r) and "this torch sees no CUDA GPU; set --device=cpu" in r.stderr, \
+        r.stderr
+
+
+def test_a_log_with_bytes_that_are_no_utf8_loses_those_lines_only(tmp_path, capsys):
+    path = tmp_path / 'log.jsonl'
+    path.write_bytes(b'{"step": 1, "loss": 2.0}\n\xff\xfe{"step": 2}\n{"step": 3, "loss": 1.0}\n')
+    assert [r['step'] for r in checkpoint.read_log(str(path))] == [1, 3]
+    assert 'line 2 is cut off or no record' in capsys.readouterr().err
+
+
+EVIL = '''
+import os, sys, torch
+class Payload:
+    def __reduce__(self):
+        return (os.system, ('touch ' + sys.argv[2],))
+torch.save({'step': 2, 'payload': Payload()}, sys.argv[1])
+'''
+
+
+def test_a_training_state_that_would_run_code_is_refused_in_one_line(tmp_path):
+    """A checkpoint whose train_state.pt pickles a call (its manifest made to match, as
+    from a bucket someone else controls): the resume ends in one line, nothing runs."""
+    out = tmp_path / 'out'
+    r = run('train.py', *TINY, '--max_steps=2', '--eval_interval=2', f'--out_dir={out}')
+    assert r.returncode == 0, r.stderr
+    ckpt = out / 'ckpt_0000002'
+    state, ran = ckpt / 'train_state.pt', tmp_path / 'ran'
+    subprocess.run([sys.executable, '-c', EVIL, str(state), str(ran)], check=True)
+    manifest = json.loads((ckpt / checkpoint.MANIFEST).read_text())
+    manifest['train_state.pt'] = checkpoint.fingerprint(str(state))
+    (ckpt / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    r = run('train.py', *TINY, '--max_steps=4', '--eval_interval=2', f'--out_dir={out}',
+            '--init_from=resume')
+    assert one_line_error(r) and 'refused, as loading it could run code' in r.stderr, r.stderr
+    assert 'weights_only' not in r.stderr and not ran.exists()
+
+
+@pytest.mark.parametrize('arms, says', [
+    ("['a', 'b']", 'arms must be {name: {setting: value}}'),
+    ("{'a': None}", 'arms must be {name: {setting: value}}'),
+    ("{'a': {}}\nraise RuntimeError('half written')", 'RuntimeError: half written'),
+])
+def test_a_bad_sweep_file_is_one_line(tmp_path, arms, says):
+    path = tmp_path / 'sweep_file.py'
+    path.write_text(f"out_dir = {str(tmp_path / 'sw')!r}\nmax_steps = 4\nchunks = 2\n"
+                    f"arms = {arms}\n")
+    r = run('sweep.py', str(path))
+    assert one_line_error(r) and says in r.stderr, r.stderr
+    assert not os.path.exists(tmp_path / 'sw')
+
+
+def test_a_command_before_the_sweep_starts_is_one_line(tmp_path):
+    path = tmp_path / 'sweep_file.py'
+    path.write_text(f"out_dir = {str(tmp_path / 'sw')!r}\nmax_steps = 4\nchunks = 2\n"
+                    "arms = {'a': {}}\n")
+    r = run('sweep.py', str(path), 'stop', 'a')
+    assert one_line_error(r) and 'has not started' in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize('line', ['5', '["stop"]', '{"stop": "a"}', '["stop", "nobody"]'])
+def test_a_bad_control_line_is_dropped_with_a_warning_once(tmp_path, capsys, line):
+    """A line written by hand into control.jsonl that is no command: dropped with a
+    warning, counted as seen (so it does not come back at every restart); the next one
+    applies."""
+    import arms
+    state = arm_state(tmp_path)
+    state['commands'] = 0
+    (tmp_path / 'control.jsonl').write_text(line + '\n' + json.dumps(['stop', 'a']) + '\n')
+    arms.apply_commands(state)
+    assert 'dropped the command' in capsys.readouterr().err
+    assert state['commands'] == 2 and state['arms']['a']['status'] == 'stopped'
+    arms.apply_commands(state)
+    assert capsys.readouterr().err == ''
+
+
+@pytest.mark.parametrize('row, says', [
+    ({'messages': 5}, "'messages' must be a list of objects"),
+    ({'messages': [{'role': 'user', 'content': 3}]}, 'needs a role and a text'),
+    ({'conversations': [{'from': ['human'], 'value': 'hi'}]}, 'needs a role and a text'),
+])
+def test_a_chat_line_of_another_shape_is_a_value_error_naming_it(row, says):
+    from tokenizer import chat_turns
+    with pytest.raises(ValueError, match=says):
+        chat_turns(row)
+
+
+@pytest.mark.parametrize('text', ['[1, 2]', '{"model": 5}'])
+def test_a_tokenizer_json_of_another_shape_is_a_value_error(tmp_path, text):
+    from tokenizer import get_tokenizer
+    (tmp_path / 'tokenizer.json').write_text(text)
+    with pytest.raises(ValueError, match='no JSON object'):
+        get_tokenizer(str(tmp_path / 'tokenizer.json'))
+
+
+def test_the_hub_token_never_goes_over_plain_http_to_another_machine(tmp_path):
+    """--init_from=hf://org/repo with HF_ENDPOINT on plain http at another address (here
+    127.0.0.2, a listener that records every request): one line, and no request reaches it."""
+    import http.server
+    import threading
+    seen = []
+
+    class Recorder(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(dict(self.headers))
+            self.send_response(404)
+            self.end_headers()
+
+        do_HEAD = do_POST = do_GET
+
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer(('127.0.0.2', 0), Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = {**os.environ, 'HF_ENDPOINT': f'http://127.0.0.2:{server.server_address[1]}',
+           'HF_TOKEN': 'hf_secret_token_value'}
+    try:
+        r = subprocess.run([sys.executable, 'train.py', '--init_from=hf://org/repo',
+                            f'--out_dir={tmp_path / "o"}'], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=300)
+    finally:
+        server.shutdown()
+    assert one_line_error(r) and 'plain http' in r.stderr, r.stderr
+    assert 'hf_secret_token_value' not in r.stderr + r.stdout and seen == []
+
+
+def test_an_upload_prefix_inside_a_checkpoint_is_refused(tmp_path):
+    ckpt = tmp_path / 'other' / 'ckpt_0000002'
+    ckpt.mkdir(parents=True)
+    (ckpt / 'model.safetensors').write_bytes(b'weights')
+    with pytest.raises(SystemExit, match='inside the checkpoint'):
+        remote.open_store(f'file://{ckpt / "uploads"}', 'run')
+    assert os.listdir(ckpt) == ['model.safetensors']
+
+
+def test_a_hub_file_with_an_endless_body_stops_at_its_listed_size(tmp_path, monkeypatch):
+    """The hub redirects a large file with its size (X-Linked-Size, 1000 bytes); its CDN
+    then sends bytes without end and no Content-Length: the download stops in one error
+    just past 1000 bytes, and deletes what it wrote."""
+    import http.server
+    import threading
+    import hub
+
+    class Endless(http.server.BaseHTTPRequestHandler):
+        protocol_version = 'HTTP/1.0'  # the body ends when the connection does: never
+
+        def do_GET(self):
+            if not self.path.startswith('/cdn'):
+                self.send_response(302)
+                self.send_header('Location', '/cdn/blob')
+                self.send_header('X-Linked-Size', '1000')
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.end_headers()
+            try:
+                while True:
+                    self.wfile.write(b'x' * 4096)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Endless)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv('HF_ENDPOINT', f'http://127.0.0.1:{server.server_address[1]}')
+    try:
+        with pytest.raises(hub.DownloadError, match='sends more than the 1,000 bytes'):
+            hub.download(hub.endpoint() + '/org/repo/resolve/main/model.safetensors',
+                         str(tmp_path / 'model.safetensors'), tries=1)
+    finally:
+        server.shutdown()
+    assert not [n for n in os.listdir(tmp_path) if n.startswith('model.safetensors')]
+
+
+@pytest.mark.slow
+def test_a_kernel_build_killed_halfway_leaves_no_lock_that_blocks_the_next(tmp_path):
+    """A real C++ build, SIGKILLed once torch has taken its build lock: the next build
+    removes the dead build's lock with one warning and finishes, instead of waiting forever."""
+    import signal
+    import time
+    env = {**os.environ, 'TORCH_EXTENSIONS_DIR': str(tmp_path / 'ext')}
+    build = [sys.executable, '-c', 'import kernels; print(kernels.cpp_extension().simd())']
+    first = subprocess.Popen(build, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    lock = tmp_path / 'ext' / 'nanobitnet_cpu' / 'lock'
+    start = time.time()
+    while not lock.exists():
+        assert first.poll() is None and time.time() - start < 120, 'the build never started'
+        time.sleep(0.05)
+    time.sleep(2)  # the compiler at work
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    assert lock.exists()  # what torch leaves behind
+    r = subprocess.run(build, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert 'left by a build that was killed' in r.stderr and not lock.exists()
