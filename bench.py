@@ -574,6 +574,8 @@ def bench_train_against(rev='HEAD~1', rounds=8):
                     workers[name].stdin.write('go\n')
                     workers[name].stdin.flush()
                     ms[name].append([float(t) for t in workers[name].stdout.readline().split()])
+                    print(f"round {r} {name:>12}: ours {ms[name][-1][0]:8.1f} ms, fp twin "
+                          f"{ms[name][-1][1]:8.1f} ms", flush=True)
             for w in workers.values():
                 w.stdin.close()
                 w.wait()
