@@ -27,6 +27,13 @@ except ImportError:  # copied alone: everything in pure torch
 BLOCK = 256  # weights per scale block: llama.cpp's TQ1_0/TQ2_0 scale each 256 of a row
 
 
+def per_weight(gamma, K):
+    """gamma in a shape that broadcasts against the (N, K) weights."""
+    if gamma.dim() < 2 or gamma.shape[1] == 1:
+        return gamma
+    return gamma.repeat_interleave(K // gamma.shape[1], dim=1)
+
+
 def weight_quant(w, scales='matrix'):
     """absmean: W_q = round(W / gamma) clipped to {-1, 0, 1}; gamma = mean|W| (fp32) per
     matrix (), row (N, 1; as ParetoQ, Liu et al. 2025) or block of 256 (N, K/256)."""
@@ -41,13 +48,6 @@ def weight_quant(w, scales='matrix'):
     # zero exactly when |w| < gamma / 2
     w_q = (w.float() / per_weight(gamma, w.shape[-1])).round_().clamp_(-1, 1)
     return w_q, gamma
-
-
-def per_weight(gamma, K):
-    """gamma in a shape that broadcasts against the (N, K) weights."""
-    if gamma.dim() < 2 or gamma.shape[1] == 1:
-        return gamma
-    return gamma.repeat_interleave(K // gamma.shape[1], dim=1)
 
 
 def dequantize(w_q, gamma):
@@ -310,6 +310,24 @@ def unpack_hf(packed, N):
     return torch.cat([packed >> 2 * i & 3 for i in range(4)])[:N].to(torch.int8) - 1
 
 
+class PackedFunction(torch.autograd.Function):
+    """A packed layer, differentiable in x for adapters below it (LoRA): the STE's grad_x
+    = grad_y @ (gamma * W_q), W_q unpacked for one layer's backward and freed at once."""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        ctx.layer = layer
+        return layer.matmul(x)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        m, g = ctx.layer, grad_y.reshape(-1, grad_y.shape[-1])  # (M, N)
+        gamma = m.weight_scale.to(g.dtype)  # (1,) or (N,) as a column; (N, K/256)
+        gamma = gamma.view(-1, 1) if gamma.dim() == 1 else gamma
+        grad_x = g @ dequantize(m.w_q().to(g.dtype), gamma)  # (M, K)
+        return grad_x.view(*grad_y.shape[:-1], -1), None
+
+
 class PackedBitLinear(nn.Module):
     """A frozen BitLinear: 2-bit weights (kernels.py's layout when it is there) and gamma.
     Its state dict is transformers' offline format: `weight` uint8 (ceil(out/4), in),
@@ -359,24 +377,6 @@ class PackedBitLinear(nn.Module):
         if b is not None and gamma is not None and gamma.dim() == 1:
             sd[prefix + 'bias'] = b * gamma
         super()._load_from_state_dict(sd, prefix, *args)
-
-
-class PackedFunction(torch.autograd.Function):
-    """A packed layer, differentiable in x for adapters below it (LoRA): the STE's grad_x
-    = grad_y @ (gamma * W_q), W_q unpacked for one layer's backward and freed at once."""
-
-    @staticmethod
-    def forward(ctx, x, layer):
-        ctx.layer = layer
-        return layer.matmul(x)
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        m, g = ctx.layer, grad_y.reshape(-1, grad_y.shape[-1])  # (M, N)
-        gamma = m.weight_scale.to(g.dtype)  # (1,) or (N,) as a column; (N, K/256)
-        gamma = gamma.view(-1, 1) if gamma.dim() == 1 else gamma
-        grad_x = g @ dequantize(m.w_q().to(g.dtype), gamma)  # (M, K)
-        return grad_x.view(*grad_y.shape[:-1], -1), None
 
 
 @torch.no_grad()
