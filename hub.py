@@ -6,7 +6,8 @@ redirects followed, a stalled or cut transfer resumed with a Range header, the f
 into place once it matches the sha256 the hub sends for large (LFS) files. `HF_ENDPOINT`
 points elsewhere (a mirror, or the tests' server on 127.0.0.1), `HF_TOKEN` reads gated
 repos and goes only in the Authorization header (never printed) to HF_ENDPOINT's own host
-and port. `HF_HUB_OFFLINE=1` forbids the network. Under torchrun only local rank 0
+and port. `HF_HUB_OFFLINE=1` forbids the network. A reply's headers must arrive within
+NANOBITNET_HUB_TIMEOUT seconds (60), its body at 64 KiB per 30 s or faster. Under torchrun only local rank 0
 downloads; the other ranks wait for the file to appear.
 
 Files are cached under ~/.cache/nanobitnet (or NANOBITNET_CACHE). `resolve_model` turns
@@ -16,7 +17,9 @@ file or shards), and the tokenizer files.
 import hashlib
 import json
 import os
+import math
 import re
+import threading
 import time
 import urllib.parse
 
@@ -57,6 +60,41 @@ def inside(folder, name, what='file name'):
     if os.path.dirname(path) != os.path.realpath(folder):
         raise ValueError(f"{what} {name!r} leads out of {folder}; refusing it")
     return path
+
+
+def seconds(setting, default):
+    """A time limit from the environment: a finite positive number of seconds."""
+    text = os.environ.get(setting, str(default))
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{setting}={text!r} is not a number of seconds above 0; fix it")
+    return value
+
+
+def within(limit, server, setting, call, *args, **kwargs):
+    """call(*args, **kwargs) given `limit` seconds in all. A server that answers a byte at
+    a time keeps every per-read timeout happy, so the whole wait is timed here: the call
+    runs in a daemon thread, and past the limit a TimeoutError names the server and the
+    setting that raises the limit (the call is left to end on its own)."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome['value'] = call(*args, **kwargs)
+        except BaseException as e:  # handed to the caller
+            outcome['error'] = e
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(limit)
+    if worker.is_alive():
+        raise TimeoutError(f"{server} did not answer within {limit:g}s; check it, "
+                           f"or set {setting}=SECONDS higher")
+    if 'error' in outcome:
+        raise outcome['error']
+    return outcome['value']
 
 
 def cache_dir():
@@ -138,13 +176,19 @@ def download(url, dest, timeout=60, wait=3600, tries=3):
     part = dest + '.part'
     # identity: the bytes as stored, so that Range offsets and the sha256 are the file's
     auth = {**token_header(url), 'Accept-Encoding': 'identity'}
+    header_limit = seconds('NANOBITNET_HUB_TIMEOUT', 60)
     for attempt in range(tries):
         time.sleep(attempt)
         have = os.path.getsize(part) if os.path.exists(part) else 0
         headers = {**auth, 'Range': f'bytes={have}-'} if have else auth
         try:
             limits = (timeout, STALL_SECONDS)  # to connect; between two reads
-            with requests.get(url, headers=headers, stream=True, timeout=limits) as r:
+            try:  # the status and headers: in time, however slowly they trickle
+                reply = within(header_limit, url, 'NANOBITNET_HUB_TIMEOUT', requests.get,
+                               url, headers=headers, stream=True, timeout=limits)
+            except TimeoutError as e:
+                raise DownloadError(f"{e}, {local}") from None
+            with reply as r:
                 sha = linked_sha256(r)
                 code = r.status_code
                 if code in (401, 403):

@@ -11,7 +11,9 @@ people); `owner`, the id of the run that owns the URL (kept across resumes), so 
 never delete each other's checkpoints. Every name a listing gives, and every manifest
 (checkpoint.damage), is checked before use. s3:// goes through boto3, any other URL
 through fsspec (gcsfs for gs://, huggingface_hub for hf://), each imported only when a
-URL needs it (requirements-remote.txt). Credentials come from each cloud's own
+URL needs it (requirements-remote.txt). Each operation (a listing, one file up or down)
+ends within NANOBITNET_REMOTE_TIMEOUT seconds (900), however slowly the server answers:
+the clients' own timeouts count per read. Credentials come from each cloud's own
 environment and files (AWS_ACCESS_KEY_ID, ~/.aws, AWS_ENDPOINT_URL, ...); no message here
 names them, and any such value found in an error is masked.
 """
@@ -22,7 +24,7 @@ import threading
 import time
 
 import checkpoint
-from hub import endpoint, inside, plain_name, token_header
+from hub import endpoint, inside, plain_name, seconds, token_header, within
 
 SECRET_WORDS = ('KEY', 'SECRET', 'TOKEN', 'PASSWORD', 'CREDENTIAL')
 CKPT = checkpoint.NAME  # a checkpoint's folder, as checkpoint.save names it (ASCII digits)
@@ -60,6 +62,19 @@ class S3:
     def put_text(self, text, name):
         key = self.prefix + name
         self.client.put_object(Bucket=self.bucket, Key=key, Body=text.encode())
+
+    def create_text(self, text, name):
+        """put_text unless `name` exists: of two runs that try at once, one writes."""
+        key = self.prefix + name
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=text.encode(),
+                                   IfNoneMatch='*')
+        except self.client.exceptions.ClientError as e:
+            code = e.response['Error']['Code']
+            if code == 'NotImplemented' and self.get_text(name) is None:
+                self.put_text(text, name)  # a server without conditional writes
+            elif code not in ('PreconditionFailed', 'ConditionalRequestConflict'):
+                raise
 
     def get(self, name, path):
         self.client.download_file(self.bucket, self.prefix + name, path)
@@ -103,6 +118,18 @@ class Fsspec:
     def put_text(self, text, name):
         self.fs.pipe_file(f'{self.root}/{name}', text.encode())
 
+    def create_text(self, text, name):
+        """put_text unless `name` exists: of two runs that try at once, one writes."""
+        path = f'{self.root}/{name}'
+        try:
+            with self.fs.open(path, 'xb') as f:
+                f.write(text.encode())
+        except FileExistsError:
+            pass
+        except (NotImplementedError, ValueError):  # a file system without exclusive create
+            if not self.fs.exists(path):
+                self.put_text(text, name)
+
     def get(self, name, path):
         self.fs.get_file(f'{self.root}/{name}', path)
 
@@ -117,6 +144,20 @@ class Fsspec:
 
     def delete(self, name):
         self.fs.rm_file(f'{self.root}/{name}')
+
+
+class Timed:
+    """A store whose every operation ends within NANOBITNET_REMOTE_TIMEOUT seconds, in a
+    TimeoutError naming the URL and that setting (hub.within)."""
+
+    def __init__(self, store, url):
+        self.store, self.url = store, url
+        self.limit = seconds('NANOBITNET_REMOTE_TIMEOUT', 900)
+
+    def __getattr__(self, operation):  # store.put(...) runs as within(limit, ..., put, ...)
+        call = getattr(self.store, operation)
+        return lambda *args: within(self.limit, self.url, 'NANOBITNET_REMOTE_TIMEOUT',
+                                    call, *args)
 
 
 def listing(names):
@@ -140,19 +181,23 @@ def open_store(url, run_id=None):
     """The store behind a URL, checked now: a missing bucket, a wrong credential or (given
     a run's id) a URL whose checkpoints belong to another run, or to no run, ends the run in
     one line before any training step. A URL without checkpoints is the run's to claim."""
+    inner = [part for part in url.split('/') if CKPT.fullmatch(part)]
+    if inner:  # its files would be another run's checkpoint's: damaged
+        raise SystemExit(f"error: {url} lies inside checkpoint folder {inner[0]}; "
+                         "upload to a prefix of the run's own")
     if url.startswith('file://'):  # a local prefix: never inside a checkpoint
         try:
             checkpoint.check_output(url.removeprefix('file://'), 'upload_to', made=True)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
     try:
-        store = S3(url) if url.startswith('s3://') else Fsspec(url)
+        store = Timed(S3(url) if url.startswith('s3://') else Fsspec(url), url)
         store.check()
-        # claimed once: a second run never takes over a prefix another run claimed,
-        # uploaded or not
-        if run_id and not listing(store.names())[0] and store.get_text(OWNER) is None:
-            store.put_text(run_id, OWNER)
-        owner = store.get_text(OWNER) if run_id else None  # read back: a claim may race
+        # claimed once, atomically: a second run never takes over a prefix another run
+        # claimed, uploaded or not, even one that starts at the same moment
+        if run_id and not listing(store.names())[0]:
+            store.create_text(run_id, OWNER)
+        owner = store.get_text(OWNER) if run_id else None
     except ImportError as e:
         raise SystemExit(f"error: {url} needs {e.name}: pip install -r requirements-remote.txt")
     except Exception as e:

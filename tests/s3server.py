@@ -14,7 +14,7 @@ import time
 
 class Proxy:
     """Forwards 127.0.0.1:port to a target port; cut() drops every connection and refuses new
-    ones until restore(); throttle(rate) limits it to rate bytes/s, both ways."""
+    ones until restore(); throttle(rate) limits it to rate bytes/s, both ways, a read at a time."""
 
     def __init__(self, target):
         self.target, self.up, self.rate, self.open = target, True, None, set()
@@ -38,7 +38,8 @@ class Proxy:
 
     def pump(self, src, dst):
         try:
-            while self.up and (data := src.recv(16384)):
+            # throttled, it passes at most `rate` bytes a second: 1 is a byte a second
+            while self.up and (data := src.recv(min(16384, max(1, int(self.rate or 16384))))):
                 if self.rate:
                     time.sleep(len(data) / self.rate)
                 dst.sendall(data)

@@ -315,7 +315,8 @@ def test_repo_ids_revisions_and_file_names_are_refused_before_any_request(hub_se
 class Site(http.server.BaseHTTPRequestHandler):
     """A plain web server on 127.0.0.1: serves server.pages {path: body}, redirects server.moved
     {path: URL}, and sends the bodies of server.slow {path: (body, seconds per byte or None for
-    none at all)} slowly, for at most 30 s; logs each request's path and Authorization."""
+    none at all)} slowly, for at most 30 s, and the status line and headers of the paths in
+    server.slow_headers a byte a second; logs each request's path and Authorization."""
 
     def log_message(self, *args):
         pass
@@ -329,6 +330,8 @@ class Site(http.server.BaseHTTPRequestHandler):
             self.send_header('Content-Length', '0')
             return self.end_headers()
         body, pace = site.slow.get(self.path, (site.pages.get(self.path, b''), 0))
+        if self.path in site.slow_headers:
+            return self.trickle(b'HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello')
         self.send_response(200)
         self.send_header('Content-Length', str(len(body)))
         self.end_headers()
@@ -343,6 +346,15 @@ class Site(http.server.BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client gave up, as it should
 
+    def trickle(self, reply):
+        try:
+            for byte in reply[:30]:  # bounded: an unfixed client fails too, late
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                time.sleep(1)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
 
 @pytest.fixture
 def sites():
@@ -352,6 +364,7 @@ def sites():
     def start():
         server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Site)
         server.pages, server.moved, server.slow, server.log = {}, {}, {}, []
+        server.slow_headers = set()
         threading.Thread(target=server.serve_forever, daemon=True).start()
         started.append(server)
         return server
@@ -415,3 +428,24 @@ def test_a_stalled_transfer_fails_within_the_deadline(hub_server, sites, monkeyp
     assert re.fullmatch(rf'cannot download http://127.0.0.1:{slow.server_port}/big.bin \(ReadTimeout(Error)?\); .*', msg)
     assert len(slow.log) == 3  # the normal tries, each ended by the deadline
     assert took < 20, took  # each try about 2-3 s, and 0 + 1 + 2 s between them; unchecked, 30 s a try
+
+
+def test_headers_a_byte_a_second_end_within_the_overall_limit_in_one_line(sites, monkeypatch):
+    monkeypatch.setenv('NANOBITNET_HUB_TIMEOUT', '3')
+    slow = sites()
+    slow.slow_headers.add('/w.bin')
+    url = f'http://127.0.0.1:{slow.server_port}/w.bin'
+    start = time.time()
+    with pytest.raises(hub.DownloadError) as e:
+        hub.fetch(url)
+    assert time.time() - start < 6  # per-read timeouts alone: the whole 30 s trickle
+    assert str(e.value) == (f"{url} did not answer within 3s; check it, or set NANOBITNET_HUB_TIMEOUT=SECONDS "
+                            "higher, or download it yourself and pass its local path")
+    assert len(slow.log) == 1  # not tried again: a server that slow stays that slow
+
+
+@pytest.mark.parametrize('value', ['0', '-1', 'inf', 'nan', 'soon'])
+def test_a_time_limit_that_is_no_positive_number_is_one_line(sites, monkeypatch, value):
+    monkeypatch.setenv('NANOBITNET_HUB_TIMEOUT', value)
+    with pytest.raises(ValueError, match=f"^NANOBITNET_HUB_TIMEOUT='{value}' is not a number of seconds above 0; fix it$"):
+        hub.fetch(f'http://127.0.0.1:{sites().server_port}/w.bin')

@@ -381,6 +381,75 @@ def test_a_url_is_claimed_once_and_a_second_run_is_refused_before_its_first_uplo
     assert remote_files(s3_env, 'claim/') == {'owner': b'fourth'}
 
 
+def test_a_prefix_inside_a_checkpoint_folder_is_refused_and_that_checkpoint_untouched(s3_env):
+    theirs = {'ckpt_0000002/manifest.json': b'{}'}
+    put(s3_env, 'theirs/', theirs)
+    for url in ('s3://runs/theirs/ckpt_0000002', 's3://runs/theirs/ckpt_0000002/sub/'):
+        with pytest.raises(SystemExit) as e:
+            remote.open_store(url, 'mine')
+        assert str(e.value) == (f"error: {url} lies inside checkpoint folder ckpt_0000002; upload to a "
+                                "prefix of the run's own")
+    assert remote_files(s3_env, 'theirs/') == theirs
+
+
+@pytest.mark.parametrize('kind', ['s3', 'file'])
+def test_runs_that_claim_one_url_at_the_same_moment_leave_one_owner(s3_env, tmp_path, kind):
+    """Eight runs open one empty URL at once: exactly one owns it, the others are refused; the
+    claim is a create-if-absent (S3's If-None-Match, an exclusive open), never read-then-write."""
+    url = 's3://runs/race' if kind == 's3' else f'file://{tmp_path}/race'
+    ready = threading.Barrier(8)
+
+    def claim(run_id):
+        ready.wait()
+        try:
+            remote.open_store(url, run_id)
+            return run_id
+        except SystemExit as e:
+            assert str(e).startswith(f'error: {url} belongs to another run')
+    threads, won = [], []
+    for i in range(8):
+        threads.append(threading.Thread(target=lambda i=i: won.append(claim(f'run{i}'))))
+        threads[-1].start()
+    for thread in threads:
+        thread.join(60)
+    winners = [w for w in won if w]
+    assert len(won) == 8 and len(winners) == 1
+    store = remote.S3(url) if kind == 's3' else remote.Fsspec(url)
+    store.create_text('late', 'owner')  # the claim is a write that never replaces one
+    owner = remote_files(s3_env, 'race/')['owner'] if kind == 's3' else (tmp_path / 'race' / 'owner').read_bytes()
+    assert owner == winners[0].encode()
+
+
+def test_a_server_a_byte_a_second_ends_each_operation_within_the_limit_in_one_line(s3_env, tmp_path, capsys,
+                                                                                      monkeypatch):
+    """Behind a proxy that passes a byte a second (every per-read timeout is happy), opening the
+    URL ends in one line at the limit, and an upload in one warning, training going on."""
+    proxy, env = s3_env
+    monkeypatch.setenv('NANOBITNET_REMOTE_TIMEOUT', '3')
+    uploader = remote.Uploader('s3://runs/slow', 'slow-run', retries=1, backoff=0.05)
+    fake_checkpoint(tmp_path, 1, size=1000)
+    try:
+        proxy.throttle(1)
+        start = time.time()
+        uploader.submit(str(tmp_path), 1, 1)
+        uploader.wait()
+        assert time.time() - start < 8  # two tries of 3 s each
+        assert capsys.readouterr().err == (
+            "warning: uploading ckpt_0000001 to s3://runs/slow failed after 2 tries (TimeoutError: "
+            "s3://runs/slow did not answer within 3s; check it, or set NANOBITNET_REMOTE_TIMEOUT=SECONDS "
+            "higher); training goes on, the next checkpoint tries again\n")
+        start = time.time()
+        with pytest.raises(SystemExit) as e:
+            remote.open_store('s3://runs/slow2', 'another-run')
+        assert time.time() - start < 5
+        assert str(e.value) == ("error: cannot use s3://runs/slow2 (TimeoutError: s3://runs/slow2 did not answer "
+                                "within 3s; check it, or set NANOBITNET_REMOTE_TIMEOUT=SECONDS higher); check the "
+                                "bucket, the path and the credentials")
+    finally:
+        proxy.throttle(None)
+    uploader.close()
+
+
 @pytest.mark.slow
 def test_a_run_owns_its_upload_url_and_another_is_refused_before_training(s3, tmp_path):
     """Run A uploads with keep_last=1; run B (from scratch) under the same URL is refused in one
