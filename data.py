@@ -338,20 +338,44 @@ def setup_data(folder, files=None, tokenizer='bytes', fmt='text', text_field='te
                 val_files = [fetch(s) for s in val]
                 prepare(train_files, folder, tokenizer, fmt, val_files,
                         text_field=text_field)
-            with open(marker + '.tmp', 'w') as f:
-                json.dump({'tokenizer': tokenizer, 'format': fmt, 'files': files}, f)
-            os.replace(marker + '.tmp', marker)
+            made = {'tokenizer': tokenizer, 'format': fmt, 'files': files,
+                    'max_id': largest_id(folder)}
+            write_marker(marker, made)
+    made = {}
     if os.path.exists(marker):
         with open(marker) as f:
-            made = json.load(f)['tokenizer']
-        if made != tokenizer:
-            raise ValueError(f"{folder} holds tokens of tokenizer {made!r}, "
-                             f"not {tokenizer!r}; set tokenizer={made!r} "
+            made = json.load(f)
+        if made['tokenizer'] != tokenizer:
+            raise ValueError(f"{folder} holds tokens of tokenizer {made['tokenizer']!r}, "
+                             f"not {tokenizer!r}; set tokenizer={made['tokenizer']!r} "
                              f"or use another folder")
     if not shard_paths(folder, 'train'):
         raise FileNotFoundError(f"no token shards (*train_*.bin) in {folder!r}; "
                                 f"set data_files to download and prepare them")
+    # an id past the vocabulary would index past the embedding, mid-run: read each shard
+    # once (a marker keeps the result; shards without one are read at every start)
+    top = made.get('max_id')
+    if top is None:
+        top = largest_id(folder)
+        if made and local_rank() == 0:
+            write_marker(marker, {**made, 'max_id': top})
+    n_vocab = get_tokenizer(tokenizer).n_vocab
+    if top >= n_vocab:
+        raise ValueError(f"{folder} holds token id {top}, past the {n_vocab} ids of "
+                         f"tokenizer {tokenizer!r}; prepare the shards with it again")
     return folder
+
+
+def largest_id(folder):
+    """The largest token id in a folder's train and val shards."""
+    shards = shard_paths(folder, 'train') + shard_paths(folder, 'val')
+    return max((int(read_shard(p).max(initial=0)) for p in shards), default=0)
+
+
+def write_marker(marker, made):
+    with open(marker + '.tmp', 'w') as f:
+        json.dump(made, f)
+    os.replace(marker + '.tmp', marker)
 
 
 # -----------------------------------------------------------------------------

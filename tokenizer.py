@@ -38,6 +38,9 @@ LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
 # Qwen2's, Qwen2.5's and Qwen3's: Llama 3's with every digit its own piece
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
                  r"\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# text a tokenizer.json's regex must cut before it is used: words, digits, runs of
+# spaces and of one letter (where a regex that backtracks badly gives up)
+PROBE = "Hello, world! It's 2026-11-28:\n\n\tdef f(x):  return x ** 2  # é ß 中文 " + 'a' * 64
 SPECIAL_TOKENS = ('<|endoftext|>', '<|mask|>', '<|im_start|>', '<|im_end|>')
 EOS_NAMES = ('<|endoftext|>', '<|end_of_text|>', '</s>')
 
@@ -134,8 +137,16 @@ def hf_encoding(path):
     if any(a > b for a, b in zip(merged, merged[1:])):
         raise ValueError(f"{unsupported}; its merges are not in the order of their ids")
     kind = NFCEncoding if nfc else tiktoken.Encoding
-    return kind(os.path.abspath(path), pat_str=pattern, mergeable_ranks=ranks,
-                special_tokens=added)
+    try:
+        enc = kind(os.path.abspath(path), pat_str=pattern, mergeable_ranks=ranks,
+                   special_tokens=added)
+        enc.encode_ordinary(PROBE)
+    except BaseException as e:  # a regex that backtracks too far panics in Rust
+        if not isinstance(e, ValueError) and type(e).__name__ != 'PanicException':
+            raise
+        raise ValueError(f"{path}: its pre-tokenizer regex fails ({str(e)[:80]}); "
+                         "use the tokenizer.json its model was trained with") from None
+    return enc
 
 
 def get_tokenizer(name):

@@ -275,6 +275,22 @@ def test_a_tokenizer_json_of_another_shape_is_a_value_error(tmp_path, text):
         get_tokenizer(str(tmp_path / 'tokenizer.json'))
 
 
+@pytest.mark.parametrize('regex, says', [(r'((a*)*)*\1b', 'BacktrackLimitExceeded'), ('(?<=a', 'Parsing error')])
+def test_a_tokenizer_json_whose_regex_fails_is_a_value_error(tmp_path, regex, says):
+    """A regex that backtracks too far makes tiktoken panic in Rust (an exception no
+    `except Exception` catches) on the first long text; it is tried, and refused, up front."""
+    from tokenizer import byte_alphabet, get_tokenizer
+    vocab = {c: b for b, c in byte_alphabet().items()}
+    split = {'type': 'Split', 'pattern': {'Regex': regex}, 'behavior': 'Isolated', 'invert': False}
+    tj = {'model': {'type': 'BPE', 'vocab': vocab, 'merges': []},
+          'pre_tokenizer': {'type': 'Sequence', 'pretokenizers': [split, {'type': 'ByteLevel', 'use_regex': False}]}}
+    (tmp_path / 'tokenizer.json').write_text(json.dumps(tj))
+    with pytest.raises(ValueError) as e:
+        get_tokenizer(str(tmp_path / 'tokenizer.json'))
+    assert str(e.value).startswith(f"{tmp_path / 'tokenizer.json'}: its pre-tokenizer regex fails (")
+    assert says in str(e.value) and str(e.value).endswith("); use the tokenizer.json its model was trained with")
+
+
 def test_the_hub_token_never_goes_over_plain_http_to_another_machine(tmp_path):
     """--init_from=hf://org/repo with HF_ENDPOINT on plain http at another address (here
     127.0.0.2, a listener that records every request): one line, and no request reaches it."""
@@ -378,3 +394,23 @@ def test_a_kernel_build_killed_halfway_leaves_no_lock_that_blocks_the_next(tmp_p
     r = subprocess.run(build, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert 'left by a build that was killed' in r.stderr and not lock.exists()
+
+
+@pytest.mark.parametrize('marker', [False, True], ids=['own shards', 'prepared'])
+def test_a_shard_with_ids_past_the_vocabulary_is_one_line_before_training(tmp_path, marker):
+    """One id past the byte tokenizer's 260 in a val shard: refused at set-up (the embedding
+    would be indexed past its end mid-run); a marker keeps the largest id read once."""
+    import numpy as np
+    from data import write_shard
+    folder = tmp_path / 'shards'
+    folder.mkdir()
+    write_shard(str(folder / 'train_000000.bin'), np.arange(2000) % 256, 1)
+    write_shard(str(folder / 'val_000000.bin'), [7] * 999 + [300], 1)
+    if marker:
+        (folder / 'prepared.json').write_text(json.dumps({'tokenizer': 'bytes', 'format': 'text', 'files': None}))
+    r = run('train.py', *TINY, f'--dataset={folder}', '--tokenizer=bytes', f'--out_dir={tmp_path / "out"}')
+    assert r.returncode == 1 and r.stderr == (f"error: data: {folder} holds token id 300, past the 260 ids of "
+                                              "tokenizer 'bytes'; prepare the shards with it again\n")
+    assert not os.path.exists(tmp_path / 'out' / 'log.jsonl')
+    if marker:
+        assert json.loads((folder / 'prepared.json').read_text())['max_id'] == 300
