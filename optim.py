@@ -252,6 +252,23 @@ def saved_bytes(fn):
     return sum(storages.values())
 
 
+def check_fits(config, batch_size, block_size, device):
+    """A ValueError, before anything is allocated, for a micro-batch that cannot fit: one
+    micro-step holds at least its ids and targets (int64) and every layer's input for
+    backward (2 bytes a number at the least), a floor well under the true need."""
+    tokens = batch_size * block_size
+    least = tokens * (2 * 8 + config.n_layer * config.n_embd * 2)
+    if torch.device(device).type == 'cuda':
+        memory, where = torch.cuda.mem_get_info(device)[1], f"{device}'s memory"
+    else:
+        memory, where = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'), 'the RAM'
+    if least > memory:
+        raise ValueError(f"batch_size={batch_size} x block_size={block_size} needs over "
+                         f"{least / 2**30:,.1f} GiB a micro-step, more than {where} "
+                         f"({memory / 2**30:,.1f} GiB); lower batch_size and raise "
+                         "gradient_accumulation_steps")
+
+
 def fit_batch(try_batch, batch_size, accumulation, device):
     """(micro-batch, accumulation steps) for a run that wants batch_size x accumulation
     sequences per rank and step: the largest power of two up to that which fits, the

@@ -40,8 +40,8 @@ from report import Progress
 from lora import attach_lora, load_adapters, save_adapters, set_adapters
 from model import ModelConfig, Transformer
 from objectives import ObjectiveManager, ce_loss, mask_token
-from optim import (SCHEDULES, ZClip, clip_gradients, drop_weight_decay, find_lr, fit_batch,
-                   lr_factor, make_optimizers, optimizer_step, param_groups, remix,
+from optim import (SCHEDULES, ZClip, check_fits, clip_gradients, drop_weight_decay, find_lr,
+                   fit_batch, lr_factor, make_optimizers, optimizer_step, param_groups, remix,
                    reset_moments, saved_bytes, set_lr)
 from remote import Uploader, download_latest
 from rl import Rollouts
@@ -352,6 +352,7 @@ try:  # model settings it cannot build are a one-line error
             weight_scale=weight_scale, **{k: config[k] for k in arch}, **moe))
     elif moe.get('n_experts') and not model.config.n_experts:  # upcycling, before to_bitnet
         model.upcycle(**moe)
+    check_fits(model.config, batch_size, block_size, device)  # before a batch is made
 except (TypeError, ValueError) as e:
     sys.exit(f"error: model: {e}")
 model.to(device)

@@ -2,6 +2,7 @@
 careless input ends in one line: each through the real code a user runs."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -414,3 +415,15 @@ def test_a_shard_with_ids_past_the_vocabulary_is_one_line_before_training(tmp_pa
     assert not os.path.exists(tmp_path / 'out' / 'log.jsonl')
     if marker:
         assert json.loads((folder / 'prepared.json').read_text())['max_id'] == 300
+
+
+def test_a_micro_batch_larger_than_the_machine_is_one_line_before_it_is_made(tmp_path):
+    """--batch_size=1000000000: refused from a floor on its memory (not grown until the kernel
+    kills the process without a word), nothing written. The floor: 32e9 tokens x (ids and targets,
+    8 bytes each, and one layer of 32 numbers, 2 bytes each) = 2.56e12 bytes."""
+    r = run('train.py', *TINY, '--batch_size=1000000000', f'--out_dir={tmp_path}')
+    assert one_line_error(r), r.stderr
+    assert re.fullmatch(r"error: model: batch_size=1000000000 x block_size=32 needs over 2,384\.2 GiB a micro-step, "
+                        r"more than the RAM \([\d,.]+ GiB\); lower batch_size and raise gradient_accumulation_steps\n",
+                        r.stderr), r.stderr
+    assert os.listdir(tmp_path) == []
