@@ -316,12 +316,12 @@ def prepare(files, folder, tokenizer='bytes', fmt='text', val_files=(), val_ever
 
 
 def setup_data(folder, files=None, tokenizer='bytes', fmt='text', text_field='text',
-               wait=6 * 3600):
+               wait=6 * 3600, n_vocab=None):
     """Make sure folder holds token shards, once: files = {'train': [...], 'val': [...]}
     (val optional; paths, URLs or hf:// names) downloaded as they are (fmt 'tokens':
     llm.c shards) or downloaded and prepared. Local rank 0 works; the other ranks wait
     for its marker, which records the tokenizer, so shards are never read with another
-    one."""
+    one. Given n_vocab, shards that hold an id past it are refused."""
     marker = os.path.join(folder, 'prepared.json')
     if files and not os.path.exists(marker):
         if local_rank() != 0:
@@ -352,15 +352,15 @@ def setup_data(folder, files=None, tokenizer='bytes', fmt='text', text_field='te
     if not shard_paths(folder, 'train'):
         raise FileNotFoundError(f"no token shards (*train_*.bin) in {folder!r}; "
                                 f"set data_files to download and prepare them")
-    # an id past the vocabulary would index past the embedding, mid-run: read each shard
-    # once (a marker keeps the result; shards without one are read at every start)
+    # an id past the vocabulary (n_vocab, the tokenizer's) would index past the embedding,
+    # mid-run: read each shard once (a marker keeps the result; shards without one are
+    # read at every start)
     top = made.get('max_id')
     if top is None:
         top = largest_id(folder)
         if made and local_rank() == 0:
             write_marker(marker, {**made, 'max_id': top})
-    n_vocab = get_tokenizer(tokenizer).n_vocab
-    if top >= n_vocab:
+    if n_vocab and top >= n_vocab:
         raise ValueError(f"{folder} holds token id {top}, past the {n_vocab} ids of "
                          f"tokenizer {tokenizer!r}; prepare the shards with it again")
     return folder

@@ -7,8 +7,8 @@ into place once it matches the sha256 the hub sends for large (LFS) files. `HF_E
 points elsewhere (a mirror, or the tests' server on 127.0.0.1), `HF_TOKEN` reads gated
 repos and goes only in the Authorization header (never printed) to HF_ENDPOINT's own host
 and port. `HF_HUB_OFFLINE=1` forbids the network. A reply's headers must arrive within
-NANOBITNET_HUB_TIMEOUT seconds (60), its body at 64 KiB per 30 s or faster. Under torchrun only local rank 0
-downloads; the other ranks wait for the file to appear.
+NANOBITNET_HUB_TIMEOUT seconds (60), its body at 64 KiB per 30 s or faster. Under
+torchrun only local rank 0 downloads; the other ranks wait for the file to appear.
 
 Files are cached under ~/.cache/nanobitnet (or NANOBITNET_CACHE). `resolve_model` turns
 a hub id into a local Hugging Face directory: config.json, the safetensors weights (one

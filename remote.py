@@ -181,15 +181,15 @@ def open_store(url, run_id=None):
     """The store behind a URL, checked now: a missing bucket, a wrong credential or (given
     a run's id) a URL whose checkpoints belong to another run, or to no run, ends the run in
     one line before any training step. A URL without checkpoints is the run's to claim."""
-    inner = [part for part in url.split('/') if CKPT.fullmatch(part)]
-    if inner:  # its files would be another run's checkpoint's: damaged
-        raise SystemExit(f"error: {url} lies inside checkpoint folder {inner[0]}; "
-                         "upload to a prefix of the run's own")
     if url.startswith('file://'):  # a local prefix: never inside a checkpoint
         try:
             checkpoint.check_output(url.removeprefix('file://'), 'upload_to', made=True)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
+    inner = [part for part in url.split('/') if CKPT.fullmatch(part)]
+    if inner:  # its files would be another run's checkpoint's: damaged
+        raise SystemExit(f"error: {url} lies inside checkpoint folder {inner[0]}; "
+                         "upload to a prefix of the run's own")
     try:
         store = Timed(S3(url) if url.startswith('s3://') else Fsspec(url), url)
         store.check()

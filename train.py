@@ -314,7 +314,8 @@ try:
         raise ValueError("mixture= needs dataset= (whose val split is evaluated); "
                          "remix_interval needs mixture=")
     if dataset:
-        setup_data(dataset, data_files, tokenizer_name, data_format, text_field)
+        setup_data(dataset, data_files, tokenizer_name, data_format, text_field,
+                   n_vocab=enc.n_vocab)
         train_data, val_data = mixture or dataset, dataset
     else:
         train_data, val_data = offline_corpus(enc)

@@ -703,7 +703,8 @@ ys = [torch.zeros_like(y) for _ in range(2)]
 dist.all_gather(ys, y)
 with kernels.holding_weights():
     held = agrees_with_its_definition(layer, x)
-print(f"rank {rank}:", agrees_with_its_definition(layer, x), held, torch.equal(*ys))
+same = agrees_with_its_definition(layer, x)
+print(f"rank {rank}: {same} {held} {torch.equal(*ys)}", flush=True)  # one write: no interleaving
 dist.destroy_process_group()
 '''
 
