@@ -126,8 +126,34 @@ class GraphDecoder:
         self.token.copy_(logits[:, -1, :self.vocab].argmax(-1, keepdim=True))
         self.tokens.index_copy_(1, self.pos.view(1), self.token)
 
+    def forward(self):
+        """The model's forward for self.token at self.pos, in shapes that never change:
+        each block writes its K/V at the position (a tensor) into its fixed cache, and
+        attends over the whole cache, the keys past the position masked out. The model's
+        own modules, in the model's order (its forward slices by a Python position)."""
+        model, pos = self.model, self.pos.view(1)
+        x = model.embed_tokens(self.token)  # (B, 1, C)
+        B = x.shape[0]
+        cos, sin = model.cos[pos].to(x.dtype), model.sin[pos].to(x.dtype)
+        keys = torch.arange(self.max_len, device=x.device)
+        seen = keys <= pos
+        if model.config.sliding_window:
+            seen &= keys > pos - model.config.sliding_window
+        seen = seen[None, None, None]  # (1, 1, 1, max_len): every row, head and query
+        for block, cache in zip(model.layers, self.cache):
+            attention = block.self_attn
+            q, k, v = attention.heads(block.input_layernorm(x), cos, sin)
+            cache[0].index_copy_(2, pos, k)
+            cache[1].index_copy_(2, pos, v)
+            y = F.scaled_dot_product_attention(q, cache[0], cache[1], attn_mask=seen,
+                                               enable_gqa=attention.n_kv_head != attention.n_head)
+            y = y.transpose(1, 2).reshape(B, 1, -1)
+            x = x + attention.o_proj(attention.attn_sub_norm(y))
+            x = x + block.mlp(block.post_attention_layernorm(x))
+        return (model.head8 or model.lm_head)(model.norm(x))
+
     def step(self):
-        logits = self.model(self.token, self.cache, self.pos)
+        logits = self.forward()
         self.pos += 1
         self.pick(logits)
 
@@ -322,10 +348,11 @@ def weight_bytes(model):
 
 def profile_token(model, x, new):
     """Where a decode token's time goes: ms per token in the LM head, the packed projections
-    (kernels.py), attention (SDPA) and the rest (norms, RoPE, the cache, residuals, Python),
+    (kernels.py), attention (each Attention's call but its projections: q/k norms, RoPE,
+    the cache and SDPA) and the rest (the norms, the MLPs' activations, residuals, Python),
     timing each call during one greedy generate of `new` tokens from x. The calls are timed
-    through the model's own hooks (forward hooks, use_fused, use_head, use_attention), all
-    put back afterwards."""
+    through the model's own hooks (forward hooks, use_fused, use_head), all put back
+    afterwards."""
     ms = dict.fromkeys(('head', 'projections', 'attention'), 0.0)
     started = {}
 
@@ -344,19 +371,28 @@ def profile_token(model, x, new):
         def hook(module, args, y):
             ms[part] += (time.perf_counter() - started.pop(module)) * 1e3
         return hook
+
+    def attention_before(module, args):  # the projections' time so far, to leave out
+        started[module] = time.perf_counter(), ms['projections']
+
+    def attention_after(module, args, y):
+        t0, projections = started.pop(module)
+        spent = (time.perf_counter() - t0) * 1e3
+        ms['attention'] += spent - (ms['projections'] - projections)
     hooks = []
     layers = [(m, 'projections') for m in model.modules() if isinstance(m, PackedBitLinear)]
     for module, part in layers + [(model.lm_head, 'head')]:
         hooks += [module.register_forward_pre_hook(before),
                   module.register_forward_hook(after(part))]
+    for module in model.modules():
+        if isinstance(module, Attention):
+            hooks += [module.register_forward_pre_hook(attention_before),
+                      module.register_forward_hook(attention_after)]
     blocks = [m for m in model.modules() if isinstance(m, (Attention, MLP))]
     fused = [(m, m.fused) for m in blocks if m.fused]
-    attention = [(m, m.attend) for m in model.modules() if isinstance(m, Attention)]
     head8 = model.head8
     for module, fn in fused:
         module.use_fused(timed('projections', fn))
-    for module, fn in attention:
-        module.use_attention(timed('attention', fn))
     if head8:
         model.use_head(timed('head', head8))
     try:
@@ -368,8 +404,6 @@ def profile_token(model, x, new):
             hook.remove()
         for module, fn in fused:
             module.use_fused(fn)
-        for module, fn in attention:
-            module.use_attention(fn)
         model.use_head(head8)
     parts = {k: v / new for k, v in ms.items()}
     return parts | {'rest': (total - sum(ms.values())) / new, 'total': total / new}

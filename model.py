@@ -16,11 +16,10 @@ ternary linears) BitNet b1.58 2B4T:
 - SubLN: the two `*_sub_norm` RMSNorms are Identity in a plain Llama. BitNet inserts them
   before the output projections so that the activations entering the ternary o_proj and
   down_proj are well scaled (Wang et al. 2023; see bitlinear.py).
-- Module names are the Hugging Face ones (`q_proj`, `input_layernorm`, ...), so a
-  checkpoint's tensors map onto ours by adding a `model.` prefix, and `save_pretrained`
-  writes a directory that transformers opens as `LlamaForCausalLM` (fp) or
-  `BitNetForCausalLM` (ternary: latent weights quantized online, or, after `freeze()`,
-  the packed 2-bit weights of the offline format, which inference runs with kernels.py).
+- Module names are the Hugging Face ones (`q_proj`, `input_layernorm`, ...), so that
+  `from_pretrained` and `save_pretrained` (hf_layout.py) map a checkpoint's tensors onto
+  ours: transformers opens what they write as the family's class (fp) or as
+  `BitNetForCausalLM` (ternary, latent weights, or after `freeze()` packed 2-bit ones).
 - Each MLP can be a mixture of experts (moe.py): gated MLPs, ternary when the model is,
   behind an fp router; an fp MoE opens in transformers as `Qwen2MoeForCausalLM`.
 - The forward takes a KV cache and a position for inference (engine.py), a mask of the
@@ -28,19 +27,17 @@ ternary linears) BitNet b1.58 2B4T:
   with what distillation and the router losses ask for (objectives.py); it always
   returns the logits.
 """
-import json
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
+import hf_layout
 from bitlinear import SubLN, add_lrc, calibrate_subln, convert_to_bitnet, freeze
-from moe import MOE_CLASSES, MOE_TYPES, MoE, moe_from_hf, moe_to_hf, upcycle
+from hf_layout import FAMILIES
+from moe import MoE, upcycle
 
 
 @dataclass
@@ -65,17 +62,14 @@ class ModelConfig:
                                  # config.json (None: none)
     family: str = 'llama'        # the Hugging Face model_type it loads from and saves as:
                                  # 'llama', 'mistral', 'qwen2' or 'qwen3'
-    subln: bool = False          # the two extra RMSNorms of BitNet
-                                 # (always on when bitnet)
+    subln: bool = False          # BitNet's two extra RMSNorms (on when bitnet)
     bitnet: bool = False         # attention/MLP linears are ternary BitLinear
     linear_norm: bool = False    # ... each with an RMSNorm on its input (BitDistill's;
                                  # transformers' use_rms_norm)
     weight_scale: str = 'matrix'  # ... gamma per 'matrix', per output 'row', or per row
                                   # and 'block' of 256 inputs (widths multiples of 256)
-    lrc_rank: int = 0            # rank of the low-rank correction on each BitLinear
-                                 # (0: none)
-    packed: bool = False         # BitLinears frozen to 2-bit PackedBitLinears
-                                 # (inference only)
+    lrc_rank: int = 0            # each BitLinear's low-rank correction's rank (0: none)
+    packed: bool = False         # BitLinears frozen to 2-bit ones (inference only)
     n_experts: int = 0           # mixture of experts: routed experts per MLP (0: dense)
     top_k: int = 2               # ... the experts each token is routed to
     n_shared_experts: int = 0    # ... the width of the shared expert every token passes
@@ -119,15 +113,6 @@ class ModelConfig:
         rope_frequencies(2, 1.0, self.rope_scaling)  # checks the scaling's kind
 
 
-# model_type: the transformers class, and the switches that model_type fixes
-FAMILIES = {
-    'llama': ('LlamaForCausalLM', dict(qkv_bias=False, qk_norm=False)),
-    'mistral': ('MistralForCausalLM', dict(qkv_bias=False, qk_norm=False, attention_bias=False)),
-    'qwen2': ('Qwen2ForCausalLM', dict(qkv_bias=True, qk_norm=False, attention_bias=False)),
-    'qwen3': ('Qwen3ForCausalLM', dict(qkv_bias=False, qk_norm=True)),
-}
-
-
 class Attention(nn.Module):
 
     def __init__(self, cfg):
@@ -149,18 +134,14 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = nn.Identity()
         self.fused = None  # q/k/v in one call (use_fused)
-        self.attend = F.scaled_dot_product_attention  # (use_attention)
 
     def use_fused(self, fused):
         """q/k/v from one call of fused(x) (engine.fuse); None: three calls again."""
         self.fused = fused
 
-    def use_attention(self, attend):
-        """Attention through `attend`, which takes what F.scaled_dot_product_attention
-        takes (engine.profile_token times it)."""
-        self.attend = attend
-
-    def forward(self, x, cos, sin, cache=None, pos=0, causal=True, qkv=None, mask=None):
+    def heads(self, x, cos, sin, qkv=None):
+        """The queries (B, nh, T, hs), keys and values (B, nkv, T, hs) of x (B, T, C),
+        RoPE applied to the queries and keys."""
         B, T, _ = x.shape
         # (B, T, nh*hs), (B, T, nkv*hs) x2; in one call once fused (engine.fuse)
         if self.fused:
@@ -174,22 +155,21 @@ class Attention(nn.Module):
         q = self.q_norm(q.view(B, T, self.n_head, self.head_dim)).transpose(1, 2)
         k = self.k_norm(k.view(B, T, self.n_kv_head, self.head_dim)).transpose(1, 2)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, cache=None, pos=0, causal=True, qkv=None, mask=None):
+        B, T, _ = x.shape
+        q, k, v = self.heads(x, cos, sin, qkv)
         # write this step's K/V, then attend over everything so far
-        if torch.is_tensor(pos):  # a fixed-shape step (engine.GraphDecoder): the whole cache
-            at = pos + torch.arange(T, device=k.device)
-            cache[0].index_copy_(2, at, k)
-            cache[1].index_copy_(2, at, v)
-            k, v = cache[0], cache[1]
-        elif cache is not None:
+        if cache is not None:
             cache[0][:, :, pos:pos + T], cache[1][:, :, pos:pos + T] = k, v
             k, v = cache[0][:, :, :pos + T], cache[1][:, :, :pos + T]
         # a single new token may look at the whole cache, so only a multi-token step is
         # causal; causal=False is the bidirectional attention of masked diffusion; a
         # mask (Transformer.forward: padding, a sliding window) holds the causal rule itself
         is_causal = causal and T > 1 and mask is None
-        y = self.attend(q, k, v, attn_mask=mask, is_causal=is_causal,
-                        enable_gqa=self.n_kv_head != self.n_head)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                           enable_gqa=self.n_kv_head != self.n_head)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hs)
         return self.o_proj(self.attn_sub_norm(y))
 
@@ -234,19 +214,18 @@ class Block(nn.Module):
         return x + self.mlp(h)
 
 
-def attention_mask(valid, pos, T, window, device, n_keys=None):
+def attention_mask(valid, pos, T, window, device):
     """(B or 1, 1, T, pos + T) attention mask for queries at pos..pos + T - 1, or None
     where SDPA's own causal rule is all there is: a key at or before the query, within
     the last `window` positions (a sliding window, 0: all), and real (`valid`, (B, pos +
     T)). A padding position also sees itself, so that no row of the softmax is empty
-    (NaN); nothing real ever looks at it. n_keys: all the cache's keys, for a position
-    that is a tensor (a fixed-shape step: the keys past it are masked too)."""
-    windowed = window and (n_keys is not None or pos + T > window)
-    if valid is None and not windowed and n_keys is None:
+    (NaN); nothing real ever looks at it."""
+    windowed = window and pos + T > window
+    if valid is None and not windowed:
         return None
-    keys = torch.arange(n_keys or pos + T, device=device)
+    keys = torch.arange(pos + T, device=device)
     queries = pos + torch.arange(T, device=device)[:, None]
-    seen = keys <= queries  # (T, n_keys or pos + T)
+    seen = keys <= queries  # (T, pos + T)
     if windowed:
         seen = seen & (keys > queries - window)
     if valid is not None:
@@ -294,6 +273,23 @@ def apply_rope(x, cos, sin):
     return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
 
 
+def new_block(cfg):
+    """A block; packed (inference, LoRA), frozen as soon as it is made, so that the fp32
+    weights of the whole model are never there at once (low-rank corrections, made on
+    the whole model, are the exception)."""
+    if not cfg.packed or cfg.lrc_rank:
+        return Block(cfg)
+    return freeze(convert_to_bitnet(Block(cfg), cfg.norm_eps, scales=cfg.weight_scale,
+                                    input_norms=cfg.linear_norm))
+
+
+def init_weights(m):
+    if isinstance(m, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(m.weight, std=0.02)
+    if isinstance(m, nn.Linear) and m.bias is not None:
+        nn.init.zeros_(m.bias)
+
+
 class Transformer(nn.Module):
 
     def __init__(self, cfg):
@@ -302,16 +298,7 @@ class Transformer(nn.Module):
         self.grad_ckpt = False  # activation checkpointing (checkpoint_activations)
         self.head8 = None  # the int8 head of engine.fuse (use_head)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        # packed (inference, LoRA): frozen block by block, its fp32 weights never all
-        # there at once (low-rank corrections are made on the whole model)
-        pack = cfg.packed and not cfg.lrc_rank
-
-        def block():
-            if not pack:
-                return Block(cfg)
-            return freeze(convert_to_bitnet(Block(cfg), cfg.norm_eps, scales=cfg.weight_scale,
-                                            input_norms=cfg.linear_norm))
-        self.layers = nn.ModuleList(block() for _ in range(cfg.n_layer))
+        self.layers = nn.ModuleList(new_block(cfg) for _ in range(cfg.n_layer))
         self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -319,7 +306,7 @@ class Transformer(nn.Module):
         cos, sin = rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer('cos', cos, persistent=False)
         self.register_buffer('sin', sin, persistent=False)
-        self.apply(self._init_weights)
+        self.apply(init_weights)
         for name, p in self.named_parameters():
             if name.endswith(('o_proj.weight', 'down_proj.weight')):
                 # GPT-2's scaled init: each residual branch adds variance,
@@ -331,12 +318,6 @@ class Transformer(nn.Module):
             add_lrc(self.layers, cfg.lrc_rank)
         if cfg.packed:
             freeze(self.layers)
-
-    def _init_weights(self, m):
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
 
     def to_bitnet(self, calib=(), linear_norm=False, weight_scale=None):
         """Swap every attention/MLP linear for a ternary BitLinear and insert SubLN (and,
@@ -401,21 +382,16 @@ class Transformer(nn.Module):
         reconstruction. `valid` (B, pos + T), True at real tokens, keeps the
         padding of left-padded rows out of every causal attention."""
         B, T = idx.shape
-        # pos a tensor on the device: a step whose shapes do not change with it, which a
-        # CUDA graph can replay (engine.GraphDecoder checks the length)
-        fixed = torch.is_tensor(pos)
-        if not fixed and pos + T > self.config.max_seq_len:
+        if pos + T > self.config.max_seq_len:
             raise ValueError(f"{pos + T} tokens exceed "
                              f"max_seq_len={self.config.max_seq_len}")
         x = self.embed_tokens(idx)  # (B, T, C)
-        at = pos + torch.arange(T, device=idx.device) if fixed else slice(pos, pos + T)
-        cos, sin = self.cos[at].to(x.dtype), self.sin[at].to(x.dtype)
+        cos, sin = self.cos[pos:pos + T].to(x.dtype), self.sin[pos:pos + T].to(x.dtype)
         feats = {} if feats is None else feats
         if not causal and self.config.sliding_window:
             raise ValueError("bidirectional attention (causal=False) with a sliding "
                              "window is not supported")
-        n_keys = cache[0].shape[3] if fixed else None
-        mask = attention_mask(valid, pos, T, self.config.sliding_window, idx.device, n_keys)
+        mask = attention_mask(valid, pos, T, self.config.sliding_window, idx.device)
         for i, block in enumerate(self.layers):
             if 'inputs' in feats:
                 x = feats['inputs'][i]
@@ -454,210 +430,19 @@ class Transformer(nn.Module):
         idle *= 1 - cfg.top_k / cfg.n_experts if cfg.n_experts else 0
         return 6 * (self.num_params() - idle) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
 
-    # ------------------------------------------------------------ Hugging Face format
-
     @classmethod
     def from_pretrained(cls, path, dtype=torch.float32):
-        """Load a Hugging Face Llama or BitNet checkpoint directory (online: latent
-        weights; offline: packed, loaded frozen): config.json plus model.safetensors, or
-        shards listed in model.safetensors.index.json. (hub.resolve_model fetches a hub
-        id into a directory.)"""
-        if not os.path.isfile(os.path.join(path, 'config.json')):
-            raise FileNotFoundError(f"{path!r} is not a checkpoint directory "
-                                    "(no config.json)")
-        with open(os.path.join(path, 'config.json')) as f:
-            hf = json.load(f)
-        model = cls(config_from_hf(hf))
-        index = os.path.join(path, 'model.safetensors.index.json')
-        if os.path.exists(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)['weight_map'].values()))
-        else:
-            files = ['model.safetensors']
-        sd = {}
-        for name in files:
-            file = os.path.join(path, name)
-            try:
-                sd.update(load_file(file))
-            except (OSError, SafetensorError) as e:
-                raise ValueError(f"cannot read {file} ({e}); "
-                                 "download or save it again") from None
-        # packed: uint8, left as it is
-        sd = {k.removeprefix('model.'): v.to(dtype) if v.is_floating_point() else v
-              for k, v in sd.items() if not k.endswith('rotary_emb.inv_freq')}
-        if (hf.get('quantization_config') or {}).get('linear_class') == 'bitlinear':
-            # the old class: 1/gamma ...
-            for k in [k for k in sd if k.endswith('weight_scale')]:
-                bias = k.removesuffix('weight_scale') + 'bias'
-                # ... and adds the bias unscaled; ours is stored as bias / gamma
-                if bias in sd:
-                    sd[bias] = sd[bias] * sd[k]
-                sd[k] = 1 / sd[k]
-        if MOE_TYPES[model.config.family] == 'mixtral' and model.config.n_experts:
-            sd = renamed(sd, MIXTRAL_NAMES, inbound=True)
-        if tied := model.config.tie_embeddings:
-            sd.pop('lm_head.weight', None)
-        if not model.config.n_shared_experts:  # Qwen2-MoE's zero-wide one (it adds 0)
-            sd = {k: v for k, v in sd.items() if '.shared_expert' not in k}
-        own = {k for k in model.state_dict() if not (tied and k == 'lm_head.weight')}
-        missing, unexpected = own - sd.keys(), sd.keys() - own
-        if missing or unexpected:
-            raise ValueError(f"checkpoint {path!r} does not match its config.json: "
-                             f"missing {sorted(missing)[:3]}, "
-                             f"unexpected {sorted(unexpected)[:3]}")
-        model.load_state_dict(sd, strict=False)
+        """Load a Hugging Face checkpoint directory of any family (hf_layout.py reads it;
+        ternary online: latent weights; offline: packed, loaded frozen). hub.resolve_model
+        fetches a hub id into a directory."""
+        model = cls(ModelConfig(**hf_layout.read_config(path)))
+        names = model.state_dict().keys()
+        model.load_state_dict(hf_layout.read_weights(path, model.config, dtype, names),
+                              strict=False)
         return model.to(dtype)
 
     def save_pretrained(self, path, state_dict=None):
-        """Write config.json + model.safetensors that transformers loads as
-        LlamaForCausalLM, or as BitNetForCausalLM for a ternary model (latent weights
-        quantized online; packed 2-bit weights, the offline format, once frozen)."""
-        os.makedirs(path, exist_ok=True)
-        sd = {('' if k.startswith('lm_head') else 'model.') + k: v.detach().contiguous()
-              for k, v in (state_dict or self.state_dict()).items()}
-        if self.config.tie_embeddings:
-            # safetensors stores a tensor once; HF re-ties on load
-            sd.pop('lm_head.weight')
-        cfg = self.config
-        moe_type = MOE_TYPES[cfg.family] if cfg.n_experts else None
-        if moe_type == 'qwen2_moe' and not cfg.n_shared_experts and not cfg.bitnet:
-            # Qwen2-MoE always has a shared expert: a zero-wide one adds exactly 0
-            C = cfg.n_embd
-            shapes = {'.gate_proj.weight': (0, C), '.up_proj.weight': (0, C),
-                      '.down_proj.weight': (C, 0), '_gate.weight': (1, C)}
-            for i in range(cfg.n_layer):
-                for name, shape in shapes.items():
-                    sd[f'model.layers.{i}.mlp.shared_expert{name}'] = torch.zeros(shape)
-        if moe_type == 'mixtral':
-            sd = renamed(sd, MIXTRAL_NAMES)
-        save_file(sd, os.path.join(path, 'model.safetensors'), metadata={'format': 'pt'})
-        with open(os.path.join(path, 'config.json'), 'w') as f:
-            hf = config_to_hf(self.config, next(self.parameters()).dtype)
-            json.dump(hf, f, indent=2)
-
-
-HF_KEYS = dict(vocab_size='vocab_size', n_layer='num_hidden_layers',
-               n_embd='hidden_size', n_head='num_attention_heads',
-               n_kv_head='num_key_value_heads', head_dim='head_dim',
-               intermediate_size='intermediate_size', norm_eps='rms_norm_eps',
-               max_seq_len='max_position_embeddings',
-               tie_embeddings='tie_word_embeddings', act='hidden_act',
-               attention_bias='attention_bias', lrc_rank='lrc_rank',
-               bos_token_id='bos_token_id', eos_token_id='eos_token_id')
-
-
-# Mixtral's names for an MoE block's parts (ours are Qwen2-MoE's)
-MIXTRAL_NAMES = {'.mlp.': '.block_sparse_moe.', '.gate_proj.': '.w1.',
-                 '.up_proj.': '.w3.', '.down_proj.': '.w2.'}
-
-
-def renamed(sd, names, inbound=False):
-    """A state dict with our names of an MoE block's parts replaced by another family's
-    (`names`: ours -> theirs), or theirs by ours when `inbound`."""
-    pairs = [(b, a) for a, b in names.items()] if inbound else list(names.items())
-    out = {}
-    for k, v in sd.items():
-        if '.mlp.' in k or '.block_sparse_moe.' in k:
-            for a, b in pairs:
-                k = k.replace(a, b)
-        out[k] = v
-    return out
-
-
-# our ternary models of other families, which no transformers class opens (its BitNet
-# has no q/k norm, no q/k/v-only bias, no sliding window; see config_to_hf)
-OWN_TYPES = ('bitnet', 'bitnet_lrc', 'bitnet_moe', *(f'bitnet_{f}' for f in FAMILIES))
-
-
-def config_from_hf(hf):
-    kind = hf.get('model_type')
-    if kind not in (*FAMILIES, *MOE_CLASSES, *OWN_TYPES):
-        raise ValueError(f"model_type {kind!r} is not supported; use a checkpoint of "
-                         f"{', '.join([*FAMILIES, *MOE_CLASSES])} or bitnet")
-    family = hf.get('family', 'llama') if kind in OWN_TYPES else kind
-    # an MoE's family: its dense sibling's (our Qwen2-MoE of a Llama has no q/k/v bias;
-    # Qwen's own, from before transformers wrote the key, always do)
-    moe_family = {'mixtral': 'mistral', 'qwen3_moe': 'qwen3',
-                  'qwen2_moe': 'qwen2' if hf.get('qkv_bias', True) else 'llama'}
-    family = moe_family.get(family, family)
-    moe = {}
-    if kind in MOE_CLASSES or kind == 'bitnet_moe':
-        moe = moe_from_hf(hf, MOE_TYPES[family])
-    kind = 'bitnet' if kind.startswith('bitnet') else kind
-    if hf.get('use_sliding_window'):
-        raise ValueError("use_sliding_window=true (Qwen's windows on some layers) is not "
-                         "supported; use a checkpoint with it false")
-    rope = hf.get('rope_parameters') or hf.get('rope_scaling') or {}
-    if hf.get('mlp_bias'):
-        raise ValueError("mlp_bias=true is not supported; "
-                         "Llama-family MLPs here have no bias")
-    quant = hf.get('quantization_config') or {}
-    mode = quant.get('quantization_mode', 'online')
-    linear = quant.get('linear_class', 'autobitlinear')
-    if kind == 'bitnet' and (mode not in ('online', 'offline')
-                             or linear not in ('autobitlinear', 'bitlinear')):
-        raise ValueError(f"BitNet quantization_config {quant} is not supported; use "
-                         "linear_class 'autobitlinear' or 'bitlinear', "
-                         "quantization_mode 'online' or 'offline'")
-    model_eps = hf.get('rms_norm_eps', ModelConfig.norm_eps)
-    if quant.get('use_rms_norm') and quant.get('rms_norm_eps', 1e-6) != model_eps:
-        raise ValueError("use_rms_norm with rms_norm_eps apart from the model's is not "
-                         "supported; set the two equal")
-    kw = {ours: hf[theirs] for ours, theirs in HF_KEYS.items()
-          if hf.get(theirs) is not None} | moe
-    kw['rope_theta'] = float(rope.get('rope_theta', hf.get('rope_theta', 10000.0)))
-    if (scaling := rope.get('rope_type', rope.get('type', 'default'))) != 'default':
-        kept = {k: v for k, v in rope.items() if k not in ('rope_theta', 'type')}
-        kw['rope_scaling'] = kept | {'rope_type': scaling}
-    kw |= dict(FAMILIES[family][1], family=family)
-    if family == 'mistral':
-        kw['sliding_window'] = hf.get('sliding_window') or 0
-    kw.setdefault('tie_embeddings', False)  # the Llama default
-    kw['bitnet'] = kw['subln'] = kind == 'bitnet'
-    kw['linear_norm'] = kind == 'bitnet' and bool(quant.get('use_rms_norm'))
-    kw['weight_scale'] = hf.get('weight_scale', 'matrix')  # ours: no transformers key
-    # the old 'bitlinear' class is always packed
-    kw['packed'] = kind == 'bitnet' and (mode == 'offline' or linear == 'bitlinear')
-    return ModelConfig(**kw)
-
-
-def config_to_hf(cfg, dtype):
-    hf = {theirs: getattr(cfg, ours) for ours, theirs in HF_KEYS.items()}
-    rope = {'rope_type': 'default'} | (cfg.rope_scaling or {})
-    hf.update(rope_theta=cfg.rope_theta, dtype=str(dtype).removeprefix('torch.'),
-              mlp_bias=False, rope_parameters=rope | {'rope_theta': cfg.rope_theta},
-              model_type=cfg.family, architectures=[FAMILIES[cfg.family][0]])
-    if cfg.family == 'mistral':
-        hf['sliding_window'] = cfg.sliding_window or None
-    if cfg.family.startswith('qwen'):
-        hf.update(use_sliding_window=False, sliding_window=None)
-    if cfg.n_experts:
-        if cfg.attention_bias and MOE_TYPES[cfg.family] == 'qwen2_moe':
-            raise ValueError("Qwen2-MoE has no o_proj bias: "
-                             "a mixture of experts needs attention_bias=False")
-        hf.update(moe_to_hf(cfg, MOE_TYPES[cfg.family]))
-    if cfg.bitnet:
-        mode = 'offline' if cfg.packed else 'online'
-        quant = {'quant_method': 'bitnet', 'linear_class': 'autobitlinear',
-                 'quantization_mode': mode}
-        if cfg.linear_norm:
-            quant.update(use_rms_norm=True, rms_norm_eps=cfg.norm_eps)
-        hf.update(model_type='bitnet', architectures=['BitNetForCausalLM'],
-                  quantization_config=quant, family=cfg.family)
-        # transformers has neither low-rank corrections nor ternary experts, nor (in its
-        # BitNet) any family's layers but Llama's nor scales per row, and would drop them
-        # silently: these names make it refuse
-        if cfg.weight_scale != 'matrix':
-            hf['weight_scale'] = cfg.weight_scale
-        own = cfg.family != 'llama' or cfg.weight_scale != 'matrix'
-        if own or cfg.head_dim * cfg.n_head != cfg.n_embd:
-            hf.update(model_type=f'bitnet_{cfg.family}',
-                      architectures=[f'BitNet{cfg.family.title()}ForCausalLM'])
-        if cfg.lrc_rank:
-            hf.update(model_type='bitnet_lrc', architectures=['BitNetLRCForCausalLM'])
-        if cfg.n_experts:
-            hf.update(model_type='bitnet_moe', architectures=['BitNetMoeForCausalLM'])
-    elif cfg.subln or cfg.linear_norm:
-        raise ValueError("an fp model with SubLN or linear_norm has no transformers "
-                         "class; convert it to BitNet")
-    return hf
+        """Write config.json + model.safetensors that transformers opens as the family's
+        class, or as BitNetForCausalLM for a ternary Llama (hf_layout.py)."""
+        dtype = next(self.parameters()).dtype
+        hf_layout.write(path, state_dict or self.state_dict(), self.config, dtype)

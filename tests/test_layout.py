@@ -15,11 +15,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # only (tokenizer may use hub, and hub report, beside them). checkpoint opens checkpoints for
 # everyone, so it sits above model and lora; eval and rl run what engine samples
 LEVELS = {'kernels': 0, 'hub': 0, 'tokenizer': 0, 'report': 0, 'bitlinear': 1, 'moe': 1,
-          'model': 2, 'objectives': 3, 'optim': 3, 'data': 3, 'lora': 3, 'gguf_export': 3,
+          'hf_layout': 1, 'model': 2, 'objectives': 3, 'optim': 3, 'data': 3, 'lora': 3, 'gguf_export': 3,
           'configurator': 3, 'checkpoint': 4, 'engine': 4, 'teachers': 4, 'remote': 5,
           'eval': 5, 'rl': 5, 'arms': 5, 'train': 6, 'sample': 6, 'export': 6, 'teach': 6,
           'bench': 6, 'sweep': 6}
-BESIDE = {('tokenizer', 'hub'), ('hub', 'report')}
+BESIDE = {('tokenizer', 'hub'), ('hub', 'report'), ('hf_layout', 'moe')}
 # files that work when copied alone need nothing of the project (bitlinear.py falls back
 # to pure torch without kernels.py)
 ALONE = ('objectives', 'kernels', 'report', 'configurator', 'moe')
@@ -107,6 +107,23 @@ def settings_of(source):
     return set(re.findall(r'^(\w+) *=', block, re.M))
 
 
+def size(name, node=None):
+    """Non-blank lines (of a top-level class or function when given), a line over 100
+    characters counting once per started 100, as the design counts them."""
+    text = lines(name)[node.lineno - 1:node.end_lineno] if node else lines(name)
+    return sum(-(-len(line) // 100) for line in text if line.strip())
+
+
+def test_model_is_the_decoder_and_nothing_of_the_machine():
+    """model.py reads top to bottom: at most 400 lines, Transformer at most 150, no branch for
+    a fixed-shape (CUDA graph) step and no hook for the profiler: engine.py wraps the model."""
+    assert size('model.py') <= 400
+    classes = {n.name: n for n in tree('model.py').body if isinstance(n, ast.ClassDef)}
+    assert size('model.py', classes['Transformer']) <= 150
+    text = '\n'.join(lines('model.py'))
+    assert 'is_tensor' not in text and 'use_attention' not in text and 'self.attend' not in text
+
+
 def test_train_functions_take_what_they_use():
     """No function of train.py reads more than 8 module-level names that are neither
     settings, imports, functions nor constants: the run's state travels as arguments or in
@@ -158,9 +175,10 @@ def test_no_script_runs_another_files_text(name):
 @pytest.mark.parametrize('name', FILES)
 def test_only_checkpoint_opens_checkpoints(name):
     """torch.load, safetensors' load_file / safe_open and Transformer.from_pretrained appear
-    in checkpoint.py (and model.py, which defines from_pretrained) only: every script opens
-    a checkpoint through checkpoint.py, so all find, verify and pick the tokenizer alike."""
-    if name in ('checkpoint.py', 'model.py'):
+    in checkpoint.py (and model.py, which defines from_pretrained, and hf_layout.py, which
+    reads its files) only: every script opens a checkpoint through checkpoint.py, so all
+    find, verify and pick the tokenizer alike."""
+    if name in ('checkpoint.py', 'model.py', 'hf_layout.py'):
         return
     openers = ('torch.load', 'Transformer.from_pretrained', 'load_file', 'safe_open')
     for call in calls(name):
