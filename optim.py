@@ -253,7 +253,7 @@ def saved_bytes(fn):
 
 
 def check_fits(config, batch_size, block_size, device):
-    """A ValueError, before anything is allocated, for a micro-batch that cannot fit: one
+    """A ValueError, before any batch is made, for a micro-batch that cannot fit: one
     micro-step holds at least its ids and targets (int64) and every layer's input for
     backward (2 bytes a number at the least), a floor well under the true need."""
     tokens = batch_size * block_size
