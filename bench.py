@@ -473,10 +473,10 @@ def convert_row(src, curriculum, bitnet, compiled, steps, batch, out):
     """One row of bench_convert: train.py on config/smollm.py from src (student and
     teacher); its median tokens/s after the first two steps, and its last record."""
     cmd = [sys.executable, 'train.py', 'config/smollm.py', f'--init_from={src}',
-           f'--teacher={src}', '--tokenizer=bytes', '--dataset=', '--data_files={}',
+           f'--teacher={src}', '--tokenizer=bytes', '--dataset=', '--prepare.files={}',
            f'--curriculum={curriculum}', f'--bitnet={bitnet}', f'--compile={compiled}',
            f'--out_dir={out}', f'--max_steps={steps}', '--log_interval=1',
-           '--eval_interval=1000', '--sample_tokens=0', '--warmup_steps=1', *batch]
+           '--eval_interval=1000', '--sample.tokens=0', '--warmup_steps=1', *batch]
     shutil.rmtree(out, ignore_errors=True)
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if r.returncode:
@@ -751,7 +751,7 @@ def bench_upload(steps=100, rate=1 << 20):
     for upload in ([], ['--upload_to=s3://runs/bench']):
         with tempfile.TemporaryDirectory() as out:
             cmd = [sys.executable, 'train.py', f'--max_steps={steps}', '--log_interval=1',
-                   '--ckpt_interval=10', '--sample_tokens=0', f'--out_dir={out}', *upload]
+                   '--ckpt.interval=10', '--sample.tokens=0', f'--out_dir={out}', *upload]
             subprocess.run(cmd, env={**os.environ, **env}, check=True, capture_output=True)
             recs = [json.loads(line) for line in open(os.path.join(out, 'log.jsonl'))]
         times = sorted(b['time_s'] - a['time_s'] for a, b in zip(recs, recs[1:])

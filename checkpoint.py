@@ -29,17 +29,24 @@ import stat
 import subprocess
 import sys
 import uuid
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
+import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from hub import TOKENIZER_FILES, inside, resolve_model
-from lora import WEIGHTS, add_lora, load_adapters, read_config
+from lora import WEIGHTS, add_lora, load_adapters, read_config, save_adapters
 from model import Transformer
 
 STATE = 'train_state.pt'
 MANIFEST = 'manifest.json'
+# train.py's settings a resumed run cannot change (a setting newer than its checkpoint
+# counts as unchanged)
+FIXED = ('arch', 'bitnet', 'moe', 'lrc_rank', 'lora', 'tokenizer', 'optimizer', 'zero1',
+         'linear_norm', 'weight_scale')
 
 
 # a checkpoint's folder: exactly what save names it (ASCII digits: \d would take others);
@@ -71,6 +78,19 @@ def check_output(path, setting, made=False):
             raise ValueError(f"{setting}={path!r} is inside the checkpoint {folder}; "
                              f"set --{setting} outside it")
         folder = os.path.dirname(folder)
+
+
+def make_out_dir(out_dir):
+    """A run's folder, made if it is not there; a ValueError saying what to set when it
+    cannot be made or written."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot make out_dir={out_dir!r} ({e.strerror}); set --out_dir "
+                         f"to a folder this run can write") from None
+    if not os.access(out_dir, os.W_OK):
+        raise ValueError(f"out_dir={out_dir!r} is not writable; set --out_dir to a folder "
+                         f"this run can write")
 
 
 def fingerprint(path):
@@ -308,6 +328,68 @@ def resume(folder, rank0=True):
     return ckpt, read_state(os.path.join(ckpt, STATE))
 
 
+def starting_point(init_from, out_dir, rank0=True):
+    """(the directory a run starts from, the training state it resumes): (None, None) from
+    scratch; a resume ('resume', or a storage URL already downloaded into out_dir) takes
+    out_dir's newest intact checkpoint and its state; anything else is found (find)."""
+    if init_from == 'resume' or '://' in init_from:
+        return resume(out_dir, rank0)
+    if init_from == 'scratch':
+        return None, None
+    try:
+        return find(init_from), None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load {init_from!r}: {e}") from None
+
+
+def check_start(saved, start, config, world_size):
+    """A ValueError when a resumed run's FIXED settings differ from those it was trained
+    with, when it resumes on another number of ranks, or when config's stop_after does
+    not lie between the step it starts at and max_steps."""
+    first_step = saved['step'] if saved else 0
+    if saved:
+        was = config | saved['config']
+        changed = []
+        for k in FIXED:
+            if isinstance(config[k], dict):  # a group: key by key
+                changed += [f"{k}.{n}={was[k].get(n)!r} (now {v!r})"
+                            for n, v in config[k].items() if was[k].get(n, v) != v]
+            elif was[k] != config[k]:
+                changed.append(f"{k}={was[k]!r} (now {config[k]!r})")
+        if changed:
+            raise ValueError(f"{start} was trained with {', '.join(changed)}; resume with "
+                             f"the same settings or a new out_dir")
+        if len(saved['rng']) != world_size:
+            raise ValueError(f"{start} was trained on {len(saved['rng'])} ranks; resume on "
+                             f"as many")
+    stop_after, max_steps = config['stop_after'], config['max_steps']
+    if stop_after and not first_step < stop_after < max_steps:
+        raise ValueError(f"stop_after={stop_after} must lie after step {first_step}, "
+                         f"below max_steps")
+
+
+def starting_model(src, found, n_vocab, block_size, moe):
+    """The model a run starts from (load, unpacked; not verified again when `found`),
+    checked against the run's tokenizer (n_vocab tokens) and block_size; a dense one
+    upcycled to a mixture of experts when moe's n_experts asks for one."""
+    try:
+        if found:
+            model = open_found(src, packed=False)[1]
+        else:
+            model = load(src, packed=False)[1]
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        raise ValueError(f"cannot load {src!r}: {e}") from None
+    if n_vocab > model.config.vocab_size:
+        raise ValueError(f"the tokenizer has {n_vocab} tokens but {src} only "
+                         f"{model.config.vocab_size}; use the model's tokenizer")
+    if model.config.max_seq_len < block_size:
+        raise ValueError(f"block_size={block_size} exceeds max_seq_len="
+                         f"{model.config.max_seq_len}")
+    if moe['n_experts'] and not model.config.n_experts:  # before conversion to ternary
+        model.upcycle(**moe)
+    return model
+
+
 def run_id(state):
     """The run's id: the one its resumed training state carries, else a new one. It stays
     with the run across resumes and marks the upload prefix the run owns (remote.py)."""
@@ -388,3 +470,112 @@ def load_optimizer_states(model, optimizers, states, fsdp=False):
             dcp.set_optimizer_state_dict(model, opt, state, options=full)
         else:
             opt.load_state_dict(state)
+
+
+@dataclass
+class TrainState:
+    """Everything a checkpoint saves and a resume restores, in one object: the objects
+    whose state travels with a run (the model, its optimizers, the fp16 gradient scaler,
+    ZClip, the token shards' loader, GRPO's rollouts), what the run is (its settings,
+    tokenizer, base model, id, code commit) and where it stands (step, the best val loss
+    and its step, evals since an improvement). Built once, after train.py's set-up; the
+    loop moves it on, save writes it."""
+    model: torch.nn.Module
+    optimizers: list
+    scaler: torch.amp.GradScaler
+    zclip: object = None     # optim.ZClip, or None
+    loader: object = None    # data.Loader, or None (the offline corpus: no position)
+    rollouts: object = None  # rl.Rollouts, or None
+    config: dict = field(default_factory=dict)
+    tokenizer: str = 'bytes'
+    tokenizer_file: str = None  # copied into every checkpoint, when there is one
+    base: str = None         # a LoRA run's frozen base model
+    run_id: str = ''
+    commit: str = ''
+    step: int = 0
+    best_val: float = float('inf')
+    best_step: int = 0
+    bad_evals: int = 0
+
+    def rank_state(self, device_type, data_state):
+        """What each rank keeps of its own: its RNG, its data position (`data_state`,
+        the loader's as it was before the step's next batch was drawn), its rollouts."""
+        mine = rng_state(device_type) | {'data': data_state}
+        if self.rollouts:
+            mine['rollouts'] = self.rollouts.state_dict()
+        return mine
+
+    def state_dict(self, optimizers, ranks):
+        """train_state.pt's content: the whole optimizer state (optimizer_states) and
+        every rank's rank_state, as rank 0 gathered them."""
+        return dict(step=self.step, best_val=self.best_val, best_step=self.best_step,
+                    bad_evals=self.bad_evals, base=self.base, optimizers=optimizers,
+                    scaler=self.scaler.state_dict(), rng=ranks, config=self.config,
+                    commit=self.commit, tokenizer=self.tokenizer, run_id=self.run_id,
+                    zclip=self.zclip.state_dict() if self.zclip else None)
+
+    def restore(self, saved, rank, device_type, fsdp=False):
+        """A resumed checkpoint's state (train_state.pt) back into place, on this rank:
+        the optimizers, scaler and ZClip, this rank's RNG, data position and rollouts,
+        and where the run stood."""
+        load_optimizer_states(self.model, self.optimizers, saved['optimizers'], fsdp)
+        self.scaler.load_state_dict(saved['scaler'])
+        if self.zclip:
+            self.zclip.load_state_dict(saved['zclip'])
+        mine = saved['rng'][rank]
+        set_rng_state(mine, device_type)  # e.g. the masks of masked diffusion
+        if self.rollouts:  # GRPO's completions, when a resume falls between two samplings
+            self.rollouts.load_state_dict(mine['rollouts'])
+        if self.loader:
+            self.loader.load_state_dict(mine['data'])
+        self.step, self.best_val = saved['step'], saved['best_val']
+        self.best_step, self.bad_evals = saved['best_step'], saved['bad_evals']
+
+    def step_done(self):
+        """One more optimizer step taken; the run's new step."""
+        self.step += 1
+        return self.step
+
+    def scored(self, val_loss, patience=0, min_delta=0.0):
+        """An evaluation at this step: (improved: val_loss is below the best by more than
+        min_delta, now the best; stop: `patience` evaluations in a row without an
+        improvement, 0 never stopping)."""
+        if val_loss < self.best_val - min_delta:
+            self.best_val, self.best_step, self.bad_evals = val_loss, self.step, 0
+            return True, False
+        self.bad_evals += 1
+        return False, bool(patience) and self.bad_evals >= patience
+
+    def save(self, device_type, data_state, uploader=None):
+        """Rank 0 gathers every rank's RNG state and data position (and the shards of FSDP
+        and ZeRO-1), then writes the checkpoint into the run's out_dir (save: atomic, with
+        a manifest) and hands it to the uploader; every rank stops if that fails."""
+        ddp = dist.is_initialized()
+        master = not ddp or dist.get_rank() == 0
+        fsdp, lora = self.config['fsdp'], self.config['lora']
+        mine = self.rank_state(device_type, data_state)
+        ranks = [mine] * (dist.get_world_size() if ddp else 1)
+        if ddp:
+            dist.all_gather_object(ranks, mine)
+        weights = model_state(self.model, fsdp)
+        zero1 = self.config['zero1'] and ddp
+        opts = optimizer_states(self.model, self.optimizers, fsdp, zero1, master)
+        failed = [None]
+        if master:
+            # the Hugging Face directory; with LoRA, the adapters alone (PEFT's layout)
+            write = partial(self.model.save_pretrained, state_dict=weights)
+            if lora['rank']:
+                write = partial(save_adapters, self.model.layers, rank=lora['rank'],
+                                alpha=lora['alpha'], targets=lora['targets'].split(','),
+                                base=self.base)
+            failed[0] = save(self.config['out_dir'], self.step, write,
+                             self.state_dict(opts, ranks), self.tokenizer_file,
+                             self.config['ckpt']['keep_last'], self.best_step)
+            if uploader and not failed[0]:
+                uploader.submit(self.config['out_dir'], self.step, self.best_step)
+        if ddp:  # every rank learns whether rank 0 failed: none waits in a collective
+            dist.broadcast_object_list(failed, src=0)
+        if failed[0]:
+            if ddp:
+                dist.destroy_process_group()
+            sys.exit(f"error: {failed[0]}" if master else 1)

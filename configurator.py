@@ -10,6 +10,11 @@ setting and keep its type (an int may stand in for a float), and a setting with 
 range must lie in it, so that a typo fails at once with a one-line message instead of
 silently training the wrong thing.
 
+A group is a dict of settings that one feature reads (a script declares it by giving it a
+dict of its keys' ranges, empty for none): each of its keys is a setting of its own,
+overridden alone with `--group.key=value`, or several at once with `--group={'key': value}`
+or `group = dict(...)` in a config file; the keys not named keep their values.
+
 Ranges are declared by the script beside its settings: 'positive' (above 0),
 'non-negative' (0 or above), 'fraction' (0 to 1), 'non-empty', or a tuple of the allowed
 values.
@@ -17,6 +22,7 @@ Scripts that take positional words (a section, a folder) split them off with `wo
 first; every script reads its arguments here and nowhere else.
 """
 import ast
+import copy
 import difflib
 import inspect
 import math
@@ -30,21 +36,47 @@ RANGES = {
 }
 
 
-def _check(config, key, value):
+def _check(config, key, value, shown=None):
+    """value, checked as setting `key` of config (named `shown` in messages)."""
+    shown = shown or key
     if key not in config:
         close = difflib.get_close_matches(key, list(config), n=1)
         hint = f"; did you mean --{close[0]}?" if close else ""
         raise SystemExit(f"error: unknown config key {key!r}{hint}")
     default = config[key]
     if isinstance(value, float) and not math.isfinite(value):
-        raise SystemExit(f"error: {key}={value!r} is not a finite number; set a finite --{key}")
+        raise SystemExit(f"error: {shown}={value!r} is not a finite number; "
+                         f"set a finite --{shown}")
     if default is None or type(value) is type(default):
         return value
     if type(default) is float and type(value) is int:
         return float(value)  # --lr=1 means 1.0
     want = type(default).__name__
     got = type(value).__name__
-    raise SystemExit(f"error: {key} must be {want}, got {value!r} ({got})")
+    raise SystemExit(f"error: {shown} must be {want}, got {value!r} ({got})")
+
+
+def _update_group(config, group, value):
+    """The group's settings with value's keys ({key: value}) checked and set."""
+    if not isinstance(value, dict):
+        raise SystemExit(f"error: {group} is a group of settings, got {value!r}; set one "
+                         f"with --{group}.KEY=VALUE or several with --{group}={{'KEY': VALUE}}")
+    updated = dict(config[group])
+    for key, item in value.items():
+        if not isinstance(key, str) or key not in updated:
+            close = difflib.get_close_matches(str(key), list(updated), n=1)
+            hint = f"; did you mean --{group}.{close[0]}?" if close else ""
+            raise SystemExit(f"error: unknown config key '{group}.{key}'{hint}")
+        updated[key] = _check(updated, key, item, f'{group}.{key}')
+    return updated
+
+
+def _grouped(config, key, groups):
+    """A top-level name that is a key of a group is a one-line hint to the group."""
+    owner = next((g for g in sorted(groups) if key in config[g]), None)
+    if key not in config and owner:
+        raise SystemExit(f"error: unknown config key {key!r}; it belongs to a group: "
+                         f"set --{owner}.{key}=VALUE (in a config file: {owner}['{key}'])")
 
 
 def _check_range(key, value, allowed):
@@ -76,7 +108,8 @@ def words(args, allowed=None, most=None):
 
 def configure(config, args, ranges=None):
     """Apply config files and --key=value args (a list of strings) to the dict `config`,
-    then check every setting named in `ranges` ({key: range})."""
+    then check every setting named in `ranges` ({key: range, group: {key: range}})."""
+    groups = {key for key, allowed in (ranges or {}).items() if isinstance(allowed, dict)}
     for arg in args:
         if not arg.startswith('--'):
             if '=' in arg and not arg.endswith('.py'):
@@ -84,7 +117,7 @@ def configure(config, args, ranges=None):
             if not os.path.isfile(arg):
                 raise SystemExit(f"error: config file {arg!r} not found; "
                                  f"config files live in config/")
-            scope = dict(config)
+            scope = copy.deepcopy(config)  # a group changed in place is still checked
             with open(arg) as f:
                 source = f.read()
             try:
@@ -98,19 +131,38 @@ def configure(config, args, ranges=None):
                 # imports and helpers a config file may use are not settings
                 if key.startswith('_') or inspect.ismodule(value) or callable(value):
                     continue
-                if key not in config or value is not config[key]:
+                if key in groups:
+                    config[key] = _update_group(config, key, value)
+                elif key not in config or value != config[key]:
+                    _grouped(config, key, groups)
                     config[key] = _check(config, key, value)
         else:
             key, sep, text = arg[2:].partition('=')
             if not sep:
                 raise SystemExit(f"error: expected --key=value, got {arg!r}")
+            group, dot, name = key.partition('.')
+            if dot and group not in groups:
+                raise SystemExit(f"error: {group!r} is not a group of settings; "
+                                 f"expected --key=value, got {arg!r}")
             try:
                 value = ast.literal_eval(text)
             except (SyntaxError, ValueError, MemoryError, RecursionError):
                 value = text
-            if isinstance(config.get(key), str):
-                value = text  # --out_dir=123 is the string '123'
-            config[key] = _check(config, key, value)
+            if dot:
+                if isinstance(config[group].get(name), str):
+                    value = text
+                config[group] = _update_group(config, group, {name: value})
+            elif key in groups:
+                config[key] = _update_group(config, key, value)
+            else:
+                if isinstance(config.get(key), str):
+                    value = text  # --out_dir=123 is the string '123'
+                _grouped(config, key, groups)
+                config[key] = _check(config, key, value)
     for key, allowed in (ranges or {}).items():
-        _check_range(key, config[key], allowed)
+        if key in groups:
+            for name, inner in allowed.items():
+                _check_range(f'{key}.{name}', config[key][name], inner)
+        else:
+            _check_range(key, config[key], allowed)
     return config

@@ -115,7 +115,7 @@ def _text(raw, where, field):
     """A jsonl line's text, in its field `field`."""
     row = _row(raw, where, f'{{"{field}": "..."}}')
     if field not in row:
-        raise ValueError(f"{where} has no field {field!r} ({sorted(row)}); set text_field")
+        raise ValueError(f"{where} has no field {field!r} ({sorted(row)}); set prepare.text_field")
     if not isinstance(row[field], str):
         raise ValueError(f"{where}: field {field!r} is not text but "
                          f"{json.dumps(row[field])[:40]}; write the text there")
@@ -351,7 +351,7 @@ def setup_data(folder, files=None, tokenizer='bytes', fmt='text', text_field='te
                              f"or use another folder")
     if not shard_paths(folder, 'train'):
         raise FileNotFoundError(f"no token shards (*train_*.bin) in {folder!r}; "
-                                f"set data_files to download and prepare them")
+                                f"set prepare.files to download and prepare them")
     # an id past the vocabulary (n_vocab, the tokenizer's) would index past the embedding,
     # mid-run: read each shard once (a marker keeps the result; shards without one are
     # read at every start)
@@ -610,3 +610,24 @@ def preference_pairs(path, enc, block_size, eos):
                 rows.append((x, y))
     x, y = torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
     return x[0::2], y[0::2], x[1::2], y[1::2]
+
+
+def run_data(dataset, prepare, mixture, remix_interval, enc, tokenizer_name, dpo_data='',
+             block_size=128):
+    """(train data, val data, preference pairs or None) of a train.py run: the token
+    shards of `dataset` (made once from prepare's files, format and text field; ids
+    checked against enc's vocabulary), trained on through `mixture` when one is named,
+    or else the offline corpus; DPO's pairs when dpo_data names a file."""
+    if (mixture and not dataset) or (remix_interval and not mixture):
+        raise ValueError("mixture= needs dataset= (whose val split is evaluated); "
+                         "remix.interval needs mixture=")
+    if dataset:
+        setup_data(dataset, prepare['files'], tokenizer_name, prepare['format'],
+                   prepare['text_field'], n_vocab=enc.n_vocab)
+        train_data, val_data = mixture or dataset, dataset
+    else:
+        train_data, val_data = offline_corpus(enc)
+    pairs = None
+    if dpo_data:
+        pairs = preference_pairs(dpo_data, enc, block_size, eos_id(enc))
+    return train_data, val_data, pairs

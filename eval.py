@@ -80,6 +80,20 @@ def loss_sums(model, batches, lengths, ctx=nullcontext(), progress=None):
     return sums
 
 
+def val_loss(model, batches, lengths, ctx=nullcontext(), verbose=True):
+    """train.py's evaluation: the loss per counted target and in bits per byte over
+    `batches` (loss_sums), summed over the ranks under torchrun, so every rank has the
+    same; progress shown when verbose. There is no dropout, so no model.eval()."""
+    show = Progress('evaluate', len(batches), ' batches', 1, delay=2 if verbose else math.inf)
+    sums = loss_sums(model, batches, lengths, ctx, show)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.AVG)
+    loss, counted, nbytes = sums.tolist()  # a CPU-GPU sync
+    if not counted:
+        sys.exit("error: no val batch holds a counted target; raise eval_iters")
+    return loss / counted, loss / math.log(2) / max(nbytes, 1)
+
+
 @torch.no_grad()
 def heldout(forward, tokens, enc, T=512, device='cpu'):
     """{'nats': per token, 'bpb': bits per byte} of a held-out token array, in windows

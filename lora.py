@@ -64,6 +64,26 @@ def attach_lora(model, rank, alpha, targets=TARGETS):
     return model
 
 
+def check_lora(lora, init_from, fsdp, lambda_warmup):
+    """A ValueError for a run's LoRA settings (train.py's `lora`: rank, alpha, targets)
+    that cannot work: LoRA adapts a trained model, named targets, without FSDP or a
+    quantization warm-up."""
+    unknown = set(lora['targets'].split(',')) - set(TARGETS)
+    if lora['rank'] and (init_from == 'scratch' or fsdp or lambda_warmup or unknown):
+        raise ValueError(f"lora.rank={lora['rank']} adapts a trained model: set init_from, "
+                         f"lora.targets among {','.join(TARGETS)}, and no fsdp or "
+                         f"lambda_warmup")
+
+
+def setup_lora(model, lora, adapters=None, path=''):
+    """A run's LoRA model (attach_lora with train.py's `lora` settings); a resumed run's
+    adapters put back at their exact values (`adapters`, read from the checkpoint `path`)."""
+    model = attach_lora(model, lora['rank'], lora['alpha'], lora['targets'].split(','))
+    if adapters is not None:
+        load_adapters(model.layers, adapters, path)
+    return model
+
+
 def set_adapters(module, on):
     """Switch every LoRA adapter on or off.
     Off (scaling 0, so they add exactly 0), the model is its base, bit for bit: DPO's

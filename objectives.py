@@ -556,6 +556,12 @@ class ObjectiveManager:
         weights = self.curriculum.weights(progress)
         return {n for n in self.objectives if weights.get(n, 0.0) > 0}
 
+    def new_phase(self, step, steps):
+        """Whether step `step` of `steps` trains other objectives than the step before:
+        known from the step alone, so a resumed run does at a switch what a straight
+        run does."""
+        return step > 0 and self.active(step / steps) != self.active((step - 1) / steps)
+
     def __call__(self, model, batch, progress):
         weights = self.curriculum.weights(progress)
         active = {n: self.objectives[n] for n in sorted(self.active(progress))}

@@ -11,6 +11,8 @@ its inputs, so that train.py stays a spine and each piece is read and tested alo
   b1.58's two stages.
 - Gradient clipping, fixed or by ZClip (Kumar et al. 2025): adaptive clipping of
   gradient-norm spikes by their z-score.
+- How the ranks share a step: DDP, or FSDP2 (weights, gradients and optimizer state
+  sharded), checked and set up before the optimizers.
 - The LR range test (Smith 2017), and the largest batch that fits on a GPU.
 - The scores by which data.Loader.reweight remixes a data mixture.
 """
@@ -269,6 +271,37 @@ def check_fits(config, batch_size, block_size, device):
                          "gradient_accumulation_steps")
 
 
+def largest_batch(model, manager, make_batch, ctx, batch_size, accumulation, device, gib=0.0,
+                  verbose=True):
+    """(micro-batch, accumulation steps) for train.py's auto_batch: the largest micro-batch
+    that fits (fit_batch), found by one forward and backward of the run's own kind of
+    batch (make_batch(b)) through the objectives' `manager`; with `gib`, the largest that
+    keeps at most that many GiB for backward (on any device). On a CPU without `gib`
+    there is no limit to probe: the batch is kept as it is."""
+    if torch.device(device).type != 'cuda' and not gib:
+        print("auto_batch: nothing to do on CPU (no memory limit to probe); set "
+              "auto_batch.gib")
+        return batch_size, accumulation
+    kept = {}  # GiB a micro-step of b sequences keeps for backward
+
+    def try_batch(b):
+        """One micro-step of b sequences; a memory error when it does not fit."""
+        batch = make_batch(b)
+
+        def micro_step():
+            with ctx:
+                manager(model, batch, 1.0)[0].backward()
+        kept[b] = saved_bytes(micro_step) / 2**30
+        model.zero_grad(set_to_none=True)
+        if gib and kept[b] > gib:
+            raise torch.OutOfMemoryError(f"{kept[b]:.4f} GiB kept for backward")
+    batch_size, accumulation = fit_batch(try_batch, batch_size, accumulation, device)
+    if verbose:
+        print(f"auto_batch: batch_size={batch_size} x {accumulation} accumulation steps "
+              f"({kept.get(batch_size, 0):.6f} GiB kept for backward)")
+    return batch_size, accumulation
+
+
 def fit_batch(try_batch, batch_size, accumulation, device):
     """(micro-batch, accumulation steps) for a run that wants batch_size x accumulation
     sequences per rank and step: the largest power of two up to that which fits, the
@@ -279,6 +312,68 @@ def fit_batch(try_batch, batch_size, accumulation, device):
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(fits, op=torch.distributed.ReduceOp.MIN)
     return fits.item(), max(1, wanted // fits.item())
+
+
+def join_ranks(device):
+    """(ddp, rank, local rank, world size, device) of this process: under torchrun (which
+    sets RANK, LOCAL_RANK and WORLD_SIZE) the process group joined, nccl on CUDA (each
+    rank on its own GPU) and gloo on CPU; alone, rank 0 of 1 on `device`."""
+    if 'RANK' not in os.environ:
+        return False, 0, 0, 1, device
+    torch.distributed.init_process_group('nccl' if device.startswith('cuda') else 'gloo')
+    local_rank = int(os.environ['LOCAL_RANK'])
+    if device.startswith('cuda'):
+        device = f'cuda:{local_rank}'
+        torch.cuda.set_device(device)
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return True, rank, local_rank, world_size, device
+
+
+def rank_mean(x):
+    """The mean of tensor x over the ranks, in place (x itself when alone): every rank
+    logs the same."""
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.AVG)
+    return x
+
+
+def check_sharding(fsdp, zero1, ddp, optimizer, lr_find, cpu_compile, block_objective):
+    """A ValueError for ways of sharing a step over ranks that cannot work: FSDP2 runs
+    under torchrun, with AdamW (Muon needs whole matrices), without ZeRO-1, the LR finder
+    or compile on CPU; block-wise distillation's losses reach DDP only under FSDP."""
+    if fsdp and (not ddp or zero1 or lr_find or optimizer != 'adamw' or cpu_compile):
+        raise ValueError("fsdp=True runs under torchrun, with AdamW, and without zero1, "
+                         "lr_find or compile on CPU (Muon needs whole matrices); drop one "
+                         "of them")
+    if ddp and not fsdp and block_objective:  # DDP follows the logits' graph only
+        raise ValueError("objective 'block' runs on several ranks under fsdp=True only; "
+                         "add --fsdp=True")
+
+
+def distribute(model, fsdp=False, ddp=False, compile=False, dtype=torch.float32,
+               local_rank=0):
+    """The model a training step runs: under FSDP2 every block and then the whole model
+    sharded over the ranks (rank 0's weights everywhere; each block gathered for its
+    forward and backward, then freed; on a GPU computed in `dtype`, gradients reduced in
+    fp32), compiled when asked, and wrapped in DDP (ddp) to all-reduce the gradients."""
+    device_type = next(model.parameters()).device.type
+    if fsdp:
+        # imported here, not at the top: it takes seconds, which every run would pay
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        for v in model.state_dict().values():  # rank 0's weights everywhere, as DDP does
+            torch.distributed.broadcast(v, 0)
+        policy = MixedPrecisionPolicy()  # fp32 on the CPU
+        if device_type == 'cuda':
+            policy = MixedPrecisionPolicy(dtype, torch.float32)
+        for block in model.layers:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+    if compile:
+        model = torch.compile(model)
+    if ddp:
+        device_ids = [local_rank] if device_type == 'cuda' else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    return model
 
 
 def source_scores(model, loss_fn, batches, val_batches):
@@ -305,7 +400,7 @@ def source_scores(model, loss_fn, batches, val_batches):
     return scores
 
 
-def remix(model, loss_fn, loader, val_batches, eta=1.0, floor=0.05):
+def remix_mixture(model, loss_fn, loader, val_batches, eta=1.0, floor=0.05):
     """Influence-based remixing: the loader's sources reweighed by their source_scores
     (data.Loader.reweight); the new weights as {'mix_<source>': weight}."""
     scores = source_scores(model, loss_fn, loader.source_batches(), val_batches)

@@ -1,7 +1,8 @@
 """
 What long work shows a person: one progress line (`Progress`: downloads, preparing data,
 evaluation, the LR range test) and a line plot written as SVG (`write_svg`: the LR range
-test's curve, a sweep's val losses), with nothing but the standard library.
+test's curve, a sweep's val losses), with nothing but the standard library; and, when a
+run asks for one, a Weights & Biases run (`start_wandb`).
 """
 import sys
 import time
@@ -59,3 +60,16 @@ def write_svg(path, curves, title, mark=None, W=560, H=320):
         f.write(f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
                 'font-size="11"><rect width="100%" height="100%" fill="white"/>'
                 + ''.join(parts) + '</svg>')
+
+
+def start_wandb(project, config):
+    """A Weights & Biases run in `project` logging these settings, or None when project
+    is ''. wandb is imported only then; without it the run ends in one line."""
+    if not project:
+        return None
+    try:
+        import wandb
+    except ImportError:
+        sys.exit("error: wandb_project needs wandb: pip install wandb")
+    wandb.init(project=project, config=config)
+    return wandb

@@ -203,6 +203,16 @@ class Rollouts:
         shuffle = torch.Generator().manual_seed(seed)
         self.order = torch.randperm(len(self.rows), generator=shuffle)
 
+    @classmethod
+    def from_settings(cls, grpo, enc, context, seed=0, rank=0, world_size=1, sync=False):
+        """A run's rollouts from train.py's `grpo` settings (data, heldout and the
+        sampling's keywords), or None when they name no data."""
+        if not grpo['data']:
+            return None
+        kwargs = {k: v for k, v in grpo.items() if k not in ('data', 'heldout')}
+        return cls(grpo['data'], grpo['heldout'], enc, context, seed, rank, world_size,
+                   sync, **kwargs)
+
     def texts(self, x, mask):
         """The completions as text, their stop tokens left out."""
         P = x.size(1) - mask.size(1)

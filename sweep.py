@@ -107,7 +107,7 @@ def start_chunk(state, name, env):
         start = [f"--init_from={os.path.join(state['dir'], parent)}"] if parent else []
     cmd = [sys.executable, 'train.py', *state['base'], *arm['args'],
            f'--out_dir={folder}', f'--max_steps={M}', f'--stop_after={end % M}',  # 0: M
-           '--sample_tokens=0', *start]
+           '--sample.tokens=0', *start]
     errors = open(os.path.join(state['dir'], f'{name}.stderr'), 'w')
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=errors, env=env)
 

@@ -10,7 +10,8 @@ with a dict (objectives.py reads it):
                    position, for logits distillation from a model too big to hold here;
                    its replies checked before use
 
-This file needs torch, requests and objectives.py (whose run_model calls a model).
+This file needs torch, requests, objectives.py (whose run_model calls a model) and
+checkpoint.py (which opens a local teacher).
 """
 import json
 import math
@@ -19,6 +20,7 @@ import time
 import requests
 import torch
 
+from checkpoint import load
 from hub import chunks
 from objectives import run_model
 
@@ -162,3 +164,22 @@ class RemoteTeacher:
                 ids[b, i] = torch.tensor(top_ids)
                 logprobs[b, i] = torch.tensor(top_logprobs)
         return {'topk_ids': ids.to(x.device), 'topk_logprobs': logprobs.to(x.device)}
+
+
+def from_settings(teacher, vllm, student, switch=None, device='cpu', dtype=torch.float32):
+    """A run's teacher: a vLLM server for an http(s) URL (vllm: the model it serves, the
+    logprobs per position), a local checkpoint or HF directory otherwise; with no
+    teacher named, a LoRA student's own base when `switch` turns its adapters off, else
+    None."""
+    if teacher.startswith(('http://', 'https://')):
+        return RemoteTeacher(teacher, vllm['model'], top_k=vllm['top_k'],
+                             vocab_size=student.config.vocab_size)
+    if teacher:
+        try:
+            model = load(teacher, packed=False)[1]
+        except (OSError, ValueError, RuntimeError, KeyError) as e:
+            raise ValueError(f"cannot load {teacher!r}: {e}") from None
+        return LocalTeacher(model, device, dtype)
+    if switch:
+        return BaseTeacher(student, switch)
+    return None

@@ -6,17 +6,14 @@
 out_dir = 'out-fineweb'
 tokenizer = 'gpt2'
 dataset = 'data/fineweb10B'
-data_format = 'tokens'
-data_files = {'train': [f'hf://datasets/kjj0/fineweb10B-gpt2/fineweb_train_{i:06d}.bin' for i in range(1, 10)],
-              'val': 'hf://datasets/kjj0/fineweb10B-gpt2/fineweb_val_000000.bin'}
+prepare = dict(files={'train': [f'hf://datasets/kjj0/fineweb10B-gpt2/fineweb_train_{i:06d}.bin'
+                             for i in range(1, 10)],
+                      'val': 'hf://datasets/kjj0/fineweb10B-gpt2/fineweb_val_000000.bin'},
+               format='tokens')
 block_size = 1024
 batch_size = 16
 gradient_accumulation_steps = 32
-n_layer = 12
-n_embd = 768
-n_head = 12
-n_kv_head = 12
-intermediate_size = 2048
+arch = dict(n_layer=12, n_embd=768, n_head=12, n_kv_head=12, intermediate_size=2048)
 max_steps = 1700
 warmup_steps = 100
 eval_interval = 100

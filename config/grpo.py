@@ -6,18 +6,17 @@
 # Held-out: 200 problems no training prompt repeats, answered greedily at every eval
 # (heldout_correct_answer in log.jsonl); `python rl.py --ckpt=out-grpo` scores a
 # checkpoint the same way. LoRA on a ternary model (its base packed, the adapters trained):
-#   python train.py config/grpo.py --init_from=<a ternary checkpoint> --lora_rank=16 \
+#   python train.py config/grpo.py --init_from=<a ternary checkpoint> --lora.rank=16 \
 #       --learning_rate=1e-4 --out_dir=out-grpo-lora
 out_dir = 'out-grpo'
 init_from = 'HuggingFaceTB/SmolLM2-135M-Instruct'
 bitnet = False
-grpo_data = 'arithmetic'
-grpo_heldout = 'arithmetic_heldout'
 # correct_answer alone: with `format` beside it the model learns within 10 steps to write
 # `#### <number>` at once, without working the sum out, and its held-out accuracy falls
 # (docs/grpo.md); 0.7 makes a right answer among 8 samples likelier than 1.0 does
-rollout = dict(group=8, max_new_tokens=48, temperature=0.7, top_p=1.0,
-               rewards=['correct_answer'], scale_rewards='group', iterations=1)
+grpo = dict(data='arithmetic', heldout='arithmetic_heldout', group=8, max_new_tokens=48,
+            temperature=0.7, top_p=1.0, rewards=['correct_answer'], scale_rewards='group',
+            iterations=1)
 objectives = {'grpo': {'beta': 0.0, 'loss_type': 'grpo'}}
 curriculum = [(1.0, {'grpo': 1.0})]
 batch_size = 4         # prompts per micro-step (x group completions)
@@ -32,4 +31,4 @@ min_lr = 2e-5
 schedule = 'constant'
 warmup_steps = 3
 weight_decay = 0.0
-sample_tokens = 0
+sample = dict(tokens=0)

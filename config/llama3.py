@@ -15,7 +15,7 @@
 # 2048 and 8192 export to llama.cpp's TQ2_0/TQ1_0, which store a row's scale in each of its
 # blocks of 256.
 # Offline: --init_from=DIR --teacher=DIR (config.json, model.safetensors, tokenizer.json) and
-# --data_files="{'train': 'train.txt', 'val': 'valid.txt'}".
+# --prepare.files="{'train': 'train.txt', 'val': 'valid.txt'}".
 import os
 
 import torch
@@ -24,8 +24,8 @@ out_dir = 'out-llama3'
 init_from = 'meta-llama/Llama-3.2-1B'
 teacher = 'meta-llama/Llama-3.2-1B'
 dataset = 'data/tinystories-llama3'
-data_files = {'train': 'hf://datasets/roneneldan/TinyStories/TinyStoriesV2-GPT4-train.txt',
-              'val': 'hf://datasets/roneneldan/TinyStories/TinyStoriesV2-GPT4-valid.txt'}
+prepare = dict(files={'train': 'hf://datasets/roneneldan/TinyStories/TinyStoriesV2-GPT4-train.txt',
+                      'val': 'hf://datasets/roneneldan/TinyStories/TinyStoriesV2-GPT4-valid.txt'})
 bitnet = True
 weight_scale = 'row'
 objectives = {'block': {}, 'ce': {}, 'kd': {'temperature': 5.0}}

@@ -11,10 +11,8 @@
 out_dir = 'out-lora'
 init_from = 'out'      # the default run's latest checkpoint
 dataset = 'data/chat-lora'
-data_files = {'train': 'config/chat.jsonl', 'val': 'config/chat_val.jsonl'}
-data_format = 'chat'
-lora_rank = 16
-lora_alpha = 32.0
+prepare = dict(files={'train': 'config/chat.jsonl', 'val': 'config/chat_val.jsonl'}, format='chat')
+lora = dict(rank=16, alpha=32.0)
 max_steps = 200
 warmup_steps = 10
 learning_rate = 1e-3

@@ -14,7 +14,7 @@
 # ternary checkpoint saves under model_type bitnet_qwen3 (transformers' BitNet has no q/k norm);
 # llama.cpp's bitnet architecture has none either, so its GGUF export refuses it in one line.
 # Offline: --init_from=DIR --teacher=DIR (config.json, model.safetensors, tokenizer.json) and
-# --data_files="{'train': 'train.txt', 'val': 'valid.txt'}".
+# --prepare.files="{'train': 'train.txt', 'val': 'valid.txt'}".
 import os
 
 import torch
@@ -23,8 +23,8 @@ out_dir = 'out-qwen3'
 init_from = 'Qwen/Qwen3-0.6B'
 teacher = 'Qwen/Qwen3-0.6B'
 dataset = 'data/tinystories-qwen3'
-data_files = {'train': 'hf://datasets/roneneldan/TinyStories/TinyStoriesV2-GPT4-train.txt',
-              'val': 'hf://datasets/roneneldan/TinyStories/TinyStoriesV2-GPT4-valid.txt'}
+prepare = dict(files={'train': 'hf://datasets/roneneldan/TinyStories/TinyStoriesV2-GPT4-train.txt',
+                      'val': 'hf://datasets/roneneldan/TinyStories/TinyStoriesV2-GPT4-valid.txt'})
 bitnet = True
 objectives = {'ce': {}, 'kd': {'temperature': 5.0}, 'attn': {'layer': -1, 'heads': 8}}
 curriculum = [(0.4, {'ce': 1.0}), (1.0, {'ce': 1.0, 'kd': 1.0, 'attn': 10.0})]

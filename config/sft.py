@@ -8,8 +8,8 @@
 out_dir = 'out-sft'
 init_from = 'HuggingFaceTB/SmolLM2-135M'
 dataset = 'data/slimorca-smollm2'
-data_files = {'train': 'hf://datasets/Open-Orca/SlimOrca/oo-labeled_correct.gpt4.sharegpt.jsonl'}
-data_format = 'chat'
+prepare = dict(files={'train': 'hf://datasets/Open-Orca/SlimOrca/oo-labeled_correct.gpt4.sharegpt.jsonl'},
+               format='chat')
 bitnet = True
 lambda_warmup = 0.1
 block_size = 1024

@@ -22,7 +22,7 @@
 # FSDP (DDP cannot follow a teacher-forced block), so torchrun turns fsdp on.
 # The model's own tokenizer.json tokenizes the data. Offline, download those files elsewhere and
 # point at them: --init_from=DIR --teacher=DIR (a folder with config.json, model.safetensors,
-# tokenizer.json) and --data_files="{'train': 'train.txt', 'val': 'valid.txt'}".
+# tokenizer.json) and --prepare.files="{'train': 'train.txt', 'val': 'valid.txt'}".
 import os
 
 import torch
@@ -31,8 +31,8 @@ out_dir = 'out-smollm'
 init_from = 'HuggingFaceTB/SmolLM2-135M'
 teacher = 'HuggingFaceTB/SmolLM2-135M'
 dataset = 'data/tinystories-smollm2'
-data_files = {'train': 'hf://datasets/roneneldan/TinyStories/TinyStoriesV2-GPT4-train.txt',
-              'val': 'hf://datasets/roneneldan/TinyStories/TinyStoriesV2-GPT4-valid.txt'}
+prepare = dict(files={'train': 'hf://datasets/roneneldan/TinyStories/TinyStoriesV2-GPT4-train.txt',
+                      'val': 'hf://datasets/roneneldan/TinyStories/TinyStoriesV2-GPT4-valid.txt'})
 bitnet = True
 weight_scale = 'row'
 objectives = {'block': {}, 'ce': {}, 'kd': {'temperature': 5.0}}

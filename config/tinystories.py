@@ -6,16 +6,12 @@
 out_dir = 'out-tinystories'
 tokenizer = 'gpt2'
 dataset = 'data/tinystories'
-data_files = {'train': 'hf://datasets/roneneldan/TinyStories/TinyStoriesV2-GPT4-train.txt',
-              'val': 'hf://datasets/roneneldan/TinyStories/TinyStoriesV2-GPT4-valid.txt'}
-data_format = 'text'
+prepare = dict(files={'train': 'hf://datasets/roneneldan/TinyStories/TinyStoriesV2-GPT4-train.txt',
+                      'val': 'hf://datasets/roneneldan/TinyStories/TinyStoriesV2-GPT4-valid.txt'},
+               format='text')
 block_size = 512
 batch_size = 32
-n_layer = 8
-n_embd = 512
-n_head = 8
-n_kv_head = 8
-intermediate_size = 1376
+arch = dict(n_layer=8, n_embd=512, n_head=8, n_kv_head=8, intermediate_size=1376)
 max_steps = 5000
 warmup_steps = 200
 eval_interval = 250

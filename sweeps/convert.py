@@ -12,7 +12,7 @@ SMOLLM2 = distill['SMOLLM2']
 out_dir = 'out-convert'
 max_steps = distill['max_steps']  # 120
 chunks = distill['chunks']  # a chunk ends at each evaluation: steps 40, 80, 120
-base = dict(distill['base'], eval_prompts=['The try statement'])
+base = dict(distill['base'], sample={'prompts': ['The try statement']})
 
 KD = {'temperature': 5.0}
 

@@ -14,8 +14,8 @@ max_steps = 120
 chunks = 3  # a chunk ends at each evaluation: steps 40, 80, 120
 base = dict(init_from=SMOLLM2, tokenizer=SMOLLM2, bitnet=True, batch_size=2, block_size=256,
             learning_rate=5e-4, min_lr=5e-5, warmup_steps=10, weight_decay=0.0,
-            lambda_warmup=0.5, eval_interval=40, eval_iters=4, log_interval=5, keep_last=1,
-            eval_prompts=['The try statement', 'def fibonacci(n):'])
+            lambda_warmup=0.5, eval_interval=40, eval_iters=4, log_interval=5,
+            ckpt={'keep_last': 1}, sample={'prompts': ['The try statement', 'def fibonacci(n):']})
 
 ce_kd = dict(teacher=SMOLLM2, objectives={'ce': {}, 'kd': {'temperature': 5.0}},
              curriculum=[(1.0, {'ce': 1.0, 'kd': 1.0})])

@@ -11,7 +11,7 @@ def _vowels(prompts, completions, **columns):
 rl.REWARDS['vowels'] = _vowels
 objectives = {'grpo': {}}
 curriculum = [(1.0, {'grpo': 1.0})]
-rollout = dict(group=4, max_new_tokens=12, temperature=1.0, top_p=1.0, rewards=['vowels'],
-               scale_rewards='group')
+grpo = dict(group=4, max_new_tokens=12, temperature=1.0, top_p=1.0, rewards=['vowels'],
+            scale_rewards='group')
 block_size = 64
 batch_size = 2

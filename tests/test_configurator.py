@@ -73,3 +73,53 @@ def test_positional_words_are_split_off_and_checked():
         words(['a', 'b'], most=1)
     with pytest.raises(SystemExit, match="error: expected --key=value, got 'batch_size=4'; add the --"):
         configure(defaults(), ['batch_size=4'])
+
+
+def grouped():
+    return {'lr': 3e-4, 'lora': {'rank': 0, 'alpha': 16.0, 'targets': 'q_proj'},
+            'objectives': {'ce': {}}}
+
+
+GROUPS = {'lora': {'rank': 'non-negative', 'alpha': 'positive'}}
+
+
+def test_a_group_is_overridden_key_by_key(tmp_path):
+    c = configure(grouped(), ['--lora.rank=8', '--lora.targets=123'], GROUPS)
+    assert c['lora'] == {'rank': 8, 'alpha': 16.0, 'targets': '123'}
+    c = configure(grouped(), ["--lora={'alpha': 32}"], GROUPS)  # the others keep theirs
+    assert c['lora'] == {'rank': 0, 'alpha': 32.0, 'targets': 'q_proj'}
+    assert type(c['lora']['alpha']) is float
+    a = tmp_path / 'a.py'
+    a.write_text("lora = dict(rank=4)\n")
+    b = tmp_path / 'b.py'
+    b.write_text("lora['alpha'] = lora['rank'] * 2\n")  # changed in place: still checked
+    c = configure(grouped(), [str(a), str(b)], GROUPS)
+    assert c['lora'] == {'rank': 4, 'alpha': 8.0, 'targets': 'q_proj'}
+    # a dict that is not a group is replaced whole, as before
+    c = configure(grouped(), ["--objectives={'kd': {}}"], GROUPS)
+    assert c['objectives'] == {'kd': {}}
+    assert grouped()['lora']['rank'] == 0
+
+
+def test_a_group_key_is_checked_like_a_setting(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        configure(grouped(), ['--lora.rnak=8'], GROUPS)
+    assert str(e.value) == "error: unknown config key 'lora.rnak'; did you mean --lora.rank?"
+    with pytest.raises(SystemExit, match=r"error: lora.rank must be int, got 1.5 \(float\)"):
+        configure(grouped(), ['--lora.rank=1.5'], GROUPS)
+    with pytest.raises(SystemExit) as e:
+        configure(grouped(), ['--lora.rank=-1'], GROUPS)
+    assert str(e.value) == ("error: lora.rank=-1 is out of range; set --lora.rank to a value "
+                            "0 or above")
+    with pytest.raises(SystemExit, match=r"error: lora is a group of settings, got 8"):
+        configure(grouped(), ['--lora=8'], GROUPS)
+    with pytest.raises(SystemExit, match="error: 'lr' is not a group of settings"):
+        configure(grouped(), ['--lr.x=1'], GROUPS)
+    with pytest.raises(SystemExit) as e:  # the old top-level name points to its group
+        configure(grouped(), ['--alpha=2'], GROUPS)
+    assert str(e.value) == ("error: unknown config key 'alpha'; it belongs to a group: "
+                            "set --lora.alpha=VALUE (in a config file: lora['alpha'])")
+    bad = tmp_path / 'bad.py'
+    bad.write_text("lora['alpha'] = 0.0\n")
+    with pytest.raises(SystemExit, match="lora.alpha=0.0 is out of range"):
+        configure(grouped(), [str(bad)], GROUPS)

@@ -301,8 +301,8 @@ def test_a_bad_line_names_its_file_and_line(fmt, tmp_path):
 def test_a_bad_chat_role_stops_train_py_in_one_line(tmp_path):
     path = tmp_path / 'chat.jsonl'
     path.write_text(json.dumps({'conversations': [{'from': 'human', 'value': 'Hi'}, {'from': 'bot', 'value': 'Yo'}]}) + '\n')
-    r = subprocess.run([sys.executable, 'train.py', '--max_steps=1', f'--out_dir={tmp_path / "out"}', '--data_format=chat',
-                        f'--dataset={tmp_path / "d"}', f"--data_files={{'train': '{path}'}}"],
+    r = subprocess.run([sys.executable, 'train.py', '--max_steps=1', f'--out_dir={tmp_path / "out"}', '--prepare.format=chat',
+                        f'--dataset={tmp_path / "d"}', f"--prepare.files={{'train': '{path}'}}"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and r.stderr.strip().count('\n') == 0, r.stderr
     assert r.stderr.startswith(f"error: data: {path} line 1: role 'bot'") and 'eval_iters' not in r.stderr
@@ -466,7 +466,7 @@ def test_setup_data_prepares_once_and_guards_the_tokenizer(tmp_path):
     assert os.path.getmtime(os.path.join(folder, 'train_000000.bin')) == made and data.shard_paths(folder, 'val')
     with pytest.raises(ValueError, match="tokenizer 'bytes', not 'gpt2'; set tokenizer='bytes'"):
         data.setup_data(folder, files, 'gpt2')
-    with pytest.raises(FileNotFoundError, match='set data_files'):
+    with pytest.raises(FileNotFoundError, match='set prepare.files'):
         data.setup_data(str(tmp_path / 'empty'))
     with pytest.raises(FileNotFoundError, match="data file .*nope.txt' not found"):
         data.setup_data(str(tmp_path / 'e2'), {'train': str(tmp_path / 'nope.txt')})
@@ -478,8 +478,9 @@ def test_data_configs_name_hub_files(name, monkeypatch):
     scope = {}
     with open(os.path.join(ROOT, 'config', f'{name}.py')) as f:
         exec(f.read(), scope)
-    assert scope['data_format'] in ('text', 'jsonl', 'chat', 'tokens') and set(scope['data_files']) <= {'train', 'val'}
-    files = [f for v in scope['data_files'].values() for f in ([v] if isinstance(v, str) else v)]
+    prepare = scope['prepare']
+    assert prepare['format'] in ('text', 'jsonl', 'chat', 'tokens') and set(prepare['files']) <= {'train', 'val'}
+    files = [f for v in prepare['files'].values() for f in ([v] if isinstance(v, str) else v)]
     for src in files:
         repo, path = re.fullmatch(r'hf://datasets/([^/@]+/[^/@]+)/(.+)', src).groups()
         assert hub.hub_file(repo, path, 'dataset')[0] == f'https://huggingface.co/datasets/{repo}/resolve/main/{path}'

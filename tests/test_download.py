@@ -232,8 +232,8 @@ def test_the_token_never_reaches_a_log(hub_server, tmp_path):
                                    "def log(rec, step):\n    pass\n")
     out = tmp_path / 'out'
     runs.append(subprocess.run([sys.executable, 'train.py', '--max_steps=2', '--eval_interval=2', '--eval_iters=1',
-                                '--n_layer=1', '--n_embd=32', '--n_head=2', '--n_kv_head=1', '--intermediate_size=64',
-                                '--sample_tokens=4', '--wandb_log=True', f'--out_dir={out}'], cwd=ROOT,
+                                '--arch.n_layer=1', '--arch.n_embd=32', '--arch.n_head=2', '--arch.n_kv_head=1', '--arch.intermediate_size=64',
+                                '--sample.tokens=4', '--wandb_project=nanobitnet', f'--out_dir={out}'], cwd=ROOT,
                                env={**env, 'PYTHONPATH': f'{fake}:{ROOT}', 'WANDB_FILE': str(tmp_path / 'wandb.json')},
                                capture_output=True, text=True, timeout=300))
     assert runs[-1].returncode == 0, runs[-1].stderr

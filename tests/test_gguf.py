@@ -182,10 +182,10 @@ def trained(tmp_path_factory):
     """python train.py, shortened (60 steps of 4 x 128 tokens): the default model (its down_proj rows, 688 long, fall back to F16),
     one whose every matrix is in ternary blocks (intermediate_size 512), and the fp twin."""
     out = {}
-    for name, extra in (('default', []), ('blocks', ['--intermediate_size=512']), ('fp', ['config/tiny_fp.py'])):
+    for name, extra in (('default', []), ('blocks', ['--arch.intermediate_size=512']), ('fp', ['config/tiny_fp.py'])):
         folder = tmp_path_factory.mktemp(name)
         subprocess.run([sys.executable, 'train.py', *extra, f'--out_dir={folder}', '--max_steps=60',
-                        '--batch_size=4', '--eval_interval=60', '--sample_tokens=0'], cwd=ROOT, check=True, capture_output=True, timeout=600)
+                        '--batch_size=4', '--eval_interval=60', '--sample.tokens=0'], cwd=ROOT, check=True, capture_output=True, timeout=600)
         out[name] = max(str(p) for p in folder.glob('ckpt_*'))
     return out
 

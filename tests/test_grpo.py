@@ -18,8 +18,8 @@ from objectives import GRPO, grpo_loss, group_advantages, token_logprobs
 from tokenizer import chat_prompt, get_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ['--n_layer=2', '--n_embd=32', '--n_head=2', '--n_kv_head=1', '--intermediate_size=64', '--eval_iters=2',
-        '--log_interval=1', '--sample_tokens=0', '--warmup_steps=2']
+TINY = ['--arch.n_layer=2', '--arch.n_embd=32', '--arch.n_head=2', '--arch.n_kv_head=1', '--arch.intermediate_size=64', '--eval_iters=2',
+        '--log_interval=1', '--sample.tokens=0', '--warmup_steps=2']
 
 
 def log(out_dir):
@@ -278,7 +278,7 @@ def grpo_run(tmp_path, name, *args, ranks=1):
     launch = ['-m', 'torch.distributed.run', f'--nproc_per_node={ranks}'] if ranks > 1 else []
     data = prompt_file(tmp_path)
     cmd = [sys.executable, *launch, 'train.py', 'tests/rewards.py', *TINY, f'--out_dir={tmp_path / name}',
-           f'--grpo_data={data}', f'--grpo_heldout={data}', *args]
+           f'--grpo.data={data}', f'--grpo.heldout={data}', *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
@@ -286,7 +286,7 @@ def test_train_py_runs_grpo_and_logs_what_it_sampled(tmp_path):
     r = grpo_run(tmp_path, 'out', '--max_steps=2', '--eval_interval=2')
     assert r.returncode == 0, r.stderr
     recs = log(tmp_path / 'out')
-    reused = grpo_run(tmp_path, 'reused', '--max_steps=2', '--eval_interval=2', "--rollout={'group': 4, "
+    reused = grpo_run(tmp_path, 'reused', '--max_steps=2', '--eval_interval=2', "--grpo={'group': 4, "
                       "'max_new_tokens': 12, 'rewards': ['vowels'], 'iterations': 2}")
     assert reused.returncode == 0, reused.stderr
     again = log(tmp_path / 'reused')  # step 2 trains on step 1's completions: rho moved from 1
@@ -302,14 +302,14 @@ def test_train_py_runs_grpo_and_logs_what_it_sampled(tmp_path):
 
 
 @pytest.mark.parametrize('args, message', [
-    (["--rollout={'rewards': ['length']}"], "unknown reward 'length'"),
-    (["--rollout={'rewards': ['correct_answer'], 'max_new_tokens': 12}"], "lacks the column"),
-    (["--rollout={'rewards': ['vowels'], 'max_new_tokens': 60}"], "prompt 0 of"),
+    (["--grpo={'rewards': ['length']}"], "unknown reward 'length'"),
+    (["--grpo={'rewards': ['correct_answer'], 'max_new_tokens': 12}"], "lacks the column"),
+    (["--grpo={'rewards': ['vowels'], 'max_new_tokens': 60}"], "prompt 0 of"),
 ])
 def test_bad_grpo_settings_end_in_one_line(tmp_path, args, message):
     path = tmp_path / 'noanswer.jsonl'
     path.write_text('{"prompt": "Say sun"}\n')
-    r = grpo_run(tmp_path, 'out', '--max_steps=1', *args, f'--grpo_data={path}', '--grpo_heldout=')
+    r = grpo_run(tmp_path, 'out', '--max_steps=1', *args, f'--grpo.data={path}', '--grpo.heldout=')
     assert r.returncode != 0 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
@@ -338,9 +338,9 @@ def test_auto_batch_under_a_memory_limit_splits_a_grpo_step_and_keeps_its_losses
     from test_train import auto_batch_runs
 
     data = prompt_file(tmp_path)
-    args = ['tests/rewards.py', *TINY, f'--grpo_data={data}', '--grpo_heldout=', '--batch_size=8',
+    args = ['tests/rewards.py', *TINY, f'--grpo.data={data}', '--grpo.heldout=', '--batch_size=8',
             '--gradient_accumulation_steps=1', '--max_steps=2', '--eval_interval=2',
-            "--rollout={'group': 4, 'max_new_tokens': 12, 'rewards': ['vowels']}"]
+            "--grpo={'group': 4, 'max_new_tokens': 12, 'rewards': ['vowels']}"]
     chosen, auto, plain = auto_batch_runs(args, tmp_path)
     assert len(auto) == len(plain) == 2
     for a, b in zip(auto, plain):

@@ -17,8 +17,8 @@ import torch
 from optim import ZClip, auto_batch_size, lr_factor, lr_range_test, param_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ['--n_layer=2', '--n_embd=32', '--n_head=2', '--n_kv_head=1', '--intermediate_size=64', '--batch_size=4',
-        '--block_size=32', '--eval_iters=2', '--log_interval=1', '--sample_tokens=0', '--warmup_steps=2',
+TINY = ['--arch.n_layer=2', '--arch.n_embd=32', '--arch.n_head=2', '--arch.n_kv_head=1', '--arch.intermediate_size=64', '--batch_size=4',
+        '--block_size=32', '--eval_iters=2', '--log_interval=1', '--sample.tokens=0', '--warmup_steps=2',
         '--eval_interval=4']
 
 
@@ -60,16 +60,16 @@ def wait_for(path, proc, timeout=120):
 @pytest.mark.slow
 @pytest.mark.parametrize('variant', ['adamw', 'muon', 'distill', 'mixture', 'grpo', 'moe'])
 def test_resume_after_sigkill_is_bit_exact(tmp_path, variant, teacher_dir, shard_dirs):
-    args = ['--max_steps=8', '--ckpt_interval=2']
+    args = ['--max_steps=8', '--ckpt.interval=2']
     if variant == 'grpo':  # completions sampled at every step: their seeds follow the step
         prompts = tmp_path / 'prompts.jsonl'
         prompts.write_text(''.join(json.dumps({'prompt': f'Say {w}'}) + '\n' for w in ('sun', 'tree', 'rock')))
         # each batch trains 3 steps, so the checkpoint of step 4 falls between two samplings
-        args += ['tests/rewards.py', f'--grpo_data={prompts}', "--rollout={'group': 4, 'max_new_tokens': 12, "
+        args += ['tests/rewards.py', f'--grpo.data={prompts}', "--grpo={'group': 4, 'max_new_tokens': 12, "
                  "'rewards': ['vowels'], 'iterations': 3}"]
     if variant == 'mixture':  # token shards: the loader's position and the remixed weights are restored
         args += [f'--dataset={shard_dirs[0]}', f"--mixture={{'a': ('{shard_dirs[0]}', 1.0), 'b': ('{shard_dirs[1]}', 1.0)}}",
-                 '--remix_interval=3']
+                 '--remix.interval=3']
     if variant == 'muon':
         args += ['--optimizer=muon']
     if variant == 'moe':  # ternary experts and a shared expert; the router losses on by default
@@ -116,7 +116,7 @@ def test_training_in_four_chunks_equals_training_straight_through(tmp_path, vari
                  "--curriculum=[(0.25, {'ce': 1.0}), (1.0, {'ce': 1.0, 'kd': 1.0, 'diffusion': 0.5})]"]
     if variant == 'mixture':
         args += [f'--dataset={shard_dirs[0]}', f"--mixture={{'a': ('{shard_dirs[0]}', 1.0), 'b': ('{shard_dirs[1]}', 1.0)}}",
-                 '--remix_interval=3']
+                 '--remix.interval=3']
     straight, chunked = str(tmp_path / 'straight'), str(tmp_path / 'chunked')
     assert run([*args, f'--out_dir={straight}']).returncode == 0
     for end in (2, 4, 6, 0):
@@ -136,7 +136,7 @@ def test_training_in_four_chunks_equals_training_straight_through(tmp_path, vari
 @pytest.mark.slow
 def test_sigkill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
     out = str(tmp_path / 'out')
-    args = ['--max_steps=8', '--ckpt_interval=2', f'--out_dir={out}']
+    args = ['--max_steps=8', '--ckpt.interval=2', f'--out_dir={out}']
     proc = start(args, save_delay=1.0)
     wait_for(os.path.join(out, 'ckpt_0000002'), proc)
     wait_for(os.path.join(out, '.tmp_ckpt_0000004'), proc)  # the next save has begun: kill it mid-write
@@ -166,7 +166,7 @@ def manifest_holds(ckpt):
 def test_a_full_disk_stops_the_run_in_one_line_and_resume_continues(tmp_path, ranks):
     """The second checkpoint's write fails half-way with ENOSPC (injected): every rank stops, no
     temporary directory stays, the first checkpoint is intact and a resume continues exactly."""
-    args = ['--max_steps=8', '--ckpt_interval=2', '--gradient_accumulation_steps=2']
+    args = ['--max_steps=8', '--ckpt.interval=2', '--gradient_accumulation_steps=2']
     straight, out = str(tmp_path / 'straight'), str(tmp_path / 'out')
 
     def go(out_dir, *extra, enospc=0):
@@ -188,7 +188,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_resume_continues(tmp_path, ra
 def test_a_real_full_filesystem(tmp_path):
     """The same on a real size-limited filesystem (a tmpfs mount: needs root), sized so that the
     first checkpoint fits and the second does not; then grown, as a user would free space."""
-    args = ['--max_steps=8', '--ckpt_interval=2']
+    args = ['--max_steps=8', '--ckpt.interval=2']
     straight, small = str(tmp_path / 'straight'), tmp_path / 'small'
     assert run([*args, f'--out_dir={straight}']).returncode == 0
     last = max(p for p in os.listdir(straight) if p.startswith('ckpt_'))
@@ -217,7 +217,7 @@ def test_a_real_full_filesystem(tmp_path):
 @pytest.mark.parametrize('name', ['train_state.pt', 'model.safetensors', 'config.json'])
 @pytest.mark.parametrize('how', ['truncated', 'bit-flipped'])
 def test_resume_skips_a_damaged_checkpoint(tmp_path, name, how):
-    args = ['--max_steps=8', '--ckpt_interval=2']
+    args = ['--max_steps=8', '--ckpt.interval=2']
     straight, out = str(tmp_path / 'straight'), str(tmp_path / 'out')
     assert run([*args, f'--out_dir={straight}']).returncode == 0
     shutil.copytree(straight, out)
@@ -271,8 +271,8 @@ def test_block_reconstruction_under_ddp_and_fsdp_matches_a_single_process(tmp_pa
     """Block-wise reconstruction leaves the embeddings and the head out of its loss; two steps in, CE
     brings them back. 2 FSDP ranks equal one process to 1e-5. DDP cannot run it (a teacher-forced block
     is not on the graph of the logits, the only output DDP follows): one line says so."""
-    common = ['--max_steps=4', '--gradient_accumulation_steps=2', f'--teacher={teacher_dir}', '--n_embd=48',
-              '--n_kv_head=2', "--objectives={'block': {}, 'ce': {}}",
+    common = ['--max_steps=4', '--gradient_accumulation_steps=2', f'--teacher={teacher_dir}', '--arch.n_embd=48',
+              '--arch.n_kv_head=2', "--objectives={'block': {}, 'ce': {}}",
               "--curriculum=[(0.5, {'block': 1.0}), (1.0, {'ce': 1.0})]"]
     logs = one_process_and_two_ranks(tmp_path, common, fsdp=['--fsdp=True'])
     assert [len(x) for x in logs] == [4, 4]
@@ -324,7 +324,7 @@ def test_injected_spike_is_clipped_and_logged(tmp_path):
     out = str(tmp_path / 'out')
     # 1 micro-step per step: loss call 30 is step 30's, after ZClip's 25-step warmup
     # a non-finite step (28) before the spike must leave ZClip's statistics alone (it is skipped)
-    r = run(['--max_steps=32', '--zclip=True', f'--out_dir={out}', '--eval_interval=100'], nan=[28], spike=[30])
+    r = run(['--max_steps=32', '--zclip=2.5', f'--out_dir={out}', '--eval_interval=100'], nan=[28], spike=[30])
     assert r.returncode == 0, r.stderr
     recs = {rec['step']: rec for rec in log(out)}
     assert recs[28]['skipped'] == 1
@@ -385,7 +385,7 @@ def test_muon_param_groups(tmp_path):
 @pytest.mark.slow
 def test_muon_run_logs_every_group_lr(tmp_path):
     out = str(tmp_path / 'out')
-    r = run(['--max_steps=2', '--optimizer=muon', '--tie_embeddings=False', f'--out_dir={out}'])
+    r = run(['--max_steps=2', '--optimizer=muon', '--arch.tie_embeddings=False', f'--out_dir={out}'])
     assert r.returncode == 0, r.stderr
     assert {'lr_hidden', 'lr_embed', 'lr_head', 'lr_scalar'} <= set(log(out)[-1])
 
@@ -407,13 +407,13 @@ def test_nan_steps_are_skipped_then_stop_the_run(tmp_path):
 def test_early_stopping_and_config_mismatch(tmp_path):
     out = str(tmp_path / 'out')
     # a huge min_delta: no eval counts as an improvement after the first
-    r = run(['--max_steps=40', '--eval_interval=2', '--patience=2', '--min_delta=100.0', f'--out_dir={out}'])
+    r = run(['--max_steps=40', '--eval_interval=2', '--early_stop.patience=2', '--early_stop.min_delta=100.0', f'--out_dir={out}'])
     assert r.returncode == 0, r.stderr
     recs = log(out)
     assert recs[-1]['step'] == 6 and recs[-1]['early_stop'] is True and 'early stop' in r.stdout
-    r = run(['--init_from=resume', f'--out_dir={out}', '--n_layer=3'])
+    r = run(['--init_from=resume', f'--out_dir={out}', '--arch.n_layer=3'])
     assert r.returncode != 0 and 'Traceback' not in r.stderr
-    assert r.stderr.strip().endswith("was trained with n_layer=2 (now 3); resume with the same settings or a new out_dir")
+    assert r.stderr.strip().endswith("was trained with arch.n_layer=2 (now 3); resume with the same settings or a new out_dir")
 
 
 @pytest.mark.slow
@@ -433,7 +433,7 @@ def test_lr_finder_writes_a_curve_and_trains(tmp_path):
 def test_a_resumed_lr_finder_run_keeps_the_lr_it_found(tmp_path):
     """The found LR is saved with the settings: a run resumed with lr_find=True trains at it (no
     second range test), as a straight run set to that LR by hand does."""
-    args = ['--max_steps=4', '--warmup_steps=1', '--eval_interval=2', '--log_interval=1', '--sample_tokens=0']
+    args = ['--max_steps=4', '--warmup_steps=1', '--eval_interval=2', '--log_interval=1', '--sample.tokens=0']
     out = str(tmp_path / 'found')
     assert run([*args, '--lr_find=True', '--stop_after=2', f'--out_dir={out}']).returncode == 0
     saved = torch.load(os.path.join(out, 'ckpt_0000002', 'train_state.pt'), weights_only=True)['config']
@@ -452,7 +452,7 @@ def test_fsdp_matches_one_process_resumes_exactly_and_opens_in_transformers(tmp_
     global batch: the same losses to 1e-5 relative, plain and with a local teacher (KD + attention
     KD); after a SIGKILL (of every rank) and --init_from=resume the losses equal an uninterrupted
     FSDP run's bit for bit; and the gathered checkpoint opens in transformers with our logits."""
-    args = ['--max_steps=10', '--gradient_accumulation_steps=2', '--ckpt_interval=2']
+    args = ['--max_steps=10', '--gradient_accumulation_steps=2', '--ckpt.interval=2']
     distil = [f'--teacher={teacher_dir}', "--objectives={'ce': {}, 'kd': {}, 'attn': {'layer': -1, 'heads': 2}}",
               "--curriculum=[(1.0, {'ce': 1.0, 'kd': 1.0, 'attn': 1.0})]"]
     for extra in ([], distil):

@@ -16,7 +16,7 @@ from lora import LoRALinear, add_lora, merge_lora, set_adapters
 from conftest import ROOT
 from model import ModelConfig, Transformer
 
-TINY = ['--batch_size=2', '--block_size=32', '--eval_iters=2', '--log_interval=1', '--sample_tokens=0',
+TINY = ['--batch_size=2', '--block_size=32', '--eval_iters=2', '--log_interval=1', '--sample.tokens=0',
         '--warmup_steps=1', '--learning_rate=1e-2']
 PEFT = 'base_model.model.model.layers.'
 
@@ -157,8 +157,8 @@ def test_peft_loads_our_adapters_onto_transformers_llama(tmp_path):
     transformers = pytest.importorskip('transformers')
     base, out = str(tmp_path / 'base'), str(tmp_path / 'lora')
     hf_llama(base)
-    r = run([*TINY, f'--init_from={base}', '--bitnet=False', '--lora_rank=4', '--lora_alpha=8',
-             '--lora_targets=q_proj,v_proj,down_proj', '--max_steps=3', '--eval_interval=3', f'--out_dir={out}'])
+    r = run([*TINY, f'--init_from={base}', '--bitnet=False', '--lora.rank=4', '--lora.alpha=8',
+             '--lora.targets=q_proj,v_proj,down_proj', '--max_steps=3', '--eval_interval=3', f'--out_dir={out}'])
     assert r.returncode == 0, r.stderr
     assert '3,072 trained' in r.stdout  # 2 layers x (q 4x(64+64) + v 4x(64+32) + down 4x(96+64))
     ckpt = os.path.join(out, 'ckpt_0000003')
@@ -213,19 +213,19 @@ def test_peft_targets_transformers_bitnet_layers(tmp_path, mode):
 def test_train_lora_on_a_ternary_checkpoint_resumes_exactly_and_dpo_starts_at_ln2(tmp_path):
     base, one, two = (str(tmp_path / n) for n in ('base', 'one', 'two'))
     tiny().save_pretrained(base)  # a ternary checkpoint (latent weights): LoRA packs it
-    lora = [*TINY, f'--init_from={base}', '--lora_rank=4', '--max_steps=6', '--eval_interval=3']
+    lora = [*TINY, f'--init_from={base}', '--lora.rank=4', '--max_steps=6', '--eval_interval=3']
     r = run([*lora, f'--out_dir={one}'])
     assert r.returncode == 0, r.stderr
     assert '7,424 trained' in r.stdout  # 2 layers x 4 x (q, k, v, o, gate, up, down: in + out)
     assert json.load(open(f'{one}/ckpt_0000006/adapter_config.json'))['base_model_name_or_path'] == base
-    r = run([*lora, f'--out_dir={two}', '--ckpt_interval=3'])
+    r = run([*lora, f'--out_dir={two}', '--ckpt.interval=3'])
     assert r.returncode == 0, r.stderr
     shutil.rmtree(f'{two}/ckpt_0000006')  # as if stopped after step 3's checkpoint
     r = run([*lora, f'--out_dir={two}', '--init_from=resume'])
     assert r.returncode == 0 and 'resumed from' in r.stdout, r.stderr
     assert [rec['loss'] for rec in log(one)] == [rec['loss'] for rec in log(two)]
     # DPO with no teacher named: the reference is the frozen base (adapters off), so step 1 is ln 2
-    r = run([*TINY, f'--init_from={base}', '--lora_rank=4', '--max_steps=2', '--eval_interval=2',
+    r = run([*TINY, f'--init_from={base}', '--lora.rank=4', '--max_steps=2', '--eval_interval=2',
              f'--out_dir={tmp_path / "dpo"}', '--dpo_data=config/preferences.jsonl', '--block_size=128',
              "--objectives={'ce': {}, 'dpo': {'beta': 0.1}}", "--curriculum=[(1.0, {'ce': 1.0, 'dpo': 1.0})]"])
     assert r.returncode == 0, r.stderr
@@ -234,9 +234,9 @@ def test_train_lora_on_a_ternary_checkpoint_resumes_exactly_and_dpo_starts_at_ln
 
 
 @pytest.mark.parametrize('args, message', [
-    (['--lora_rank=4'], "error: lora_rank=4 adapts a trained model: set init_from"),
-    (['--lora_rank=4', '--init_from=BASE', '--lora_targets=q_proj,qkv'], "lora_targets among q_proj,k_proj"),
-    (['--lora_rank=4', '--init_from=BASE', '--lambda_warmup=0.1'], "and no fsdp or lambda_warmup"),
+    (['--lora.rank=4'], "error: lora.rank=4 adapts a trained model: set init_from"),
+    (['--lora.rank=4', '--init_from=BASE', '--lora.targets=q_proj,qkv'], "lora.targets among q_proj,k_proj"),
+    (['--lora.rank=4', '--init_from=BASE', '--lambda_warmup=0.1'], "and no fsdp or lambda_warmup"),
 ])
 def test_bad_lora_settings_stop_in_one_line(tmp_path, args, message):
     tiny().save_pretrained(tmp_path / 'base')
@@ -247,7 +247,7 @@ def test_bad_lora_settings_stop_in_one_line(tmp_path, args, message):
 def test_sample_runs_a_ternary_base_with_adapters_and_refuses_to_merge(tmp_path):
     base, out = str(tmp_path / 'base'), str(tmp_path / 'lora')
     tiny().save_pretrained(base)
-    r = run([*TINY, f'--init_from={base}', '--lora_rank=4', '--max_steps=2', '--eval_interval=2', f'--out_dir={out}'])
+    r = run([*TINY, f'--init_from={base}', '--lora.rank=4', '--max_steps=2', '--eval_interval=2', f'--out_dir={out}'])
     assert r.returncode == 0, r.stderr
     r = run([f'--ckpt={out}', '--num_tokens=5', '--temperature=0'], script='sample.py')
     assert r.returncode == 0 and 'packed ternary' in r.stdout, r.stderr
@@ -260,7 +260,7 @@ def test_sample_runs_a_ternary_base_with_adapters_and_refuses_to_merge(tmp_path)
 def test_lora_under_ddp_matches_one_process(tmp_path):
     base = str(tmp_path / 'base')
     tiny().save_pretrained(base)
-    common = [*TINY, f'--init_from={base}', '--lora_rank=4', '--max_steps=4', '--eval_interval=4',
+    common = [*TINY, f'--init_from={base}', '--lora.rank=4', '--max_steps=4', '--eval_interval=4',
               '--gradient_accumulation_steps=2']
     assert run([*common, f'--out_dir={tmp_path / "one"}']).returncode == 0
     r = run([*common, f'--out_dir={tmp_path / "two"}'], torchrun=True)

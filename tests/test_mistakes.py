@@ -59,21 +59,24 @@ def tree(folder):
     return found
 
 
-DATA = "--dataset={root}/data_NAME --data_files={'train':['{root}/NAME']}"
+DATA = "--dataset={root}/data_NAME --prepare.files={'train':['{root}/NAME']}"
 
 MISTAKES = [  # (script and arguments, what the one line must name)
     ('train.py --learning_rate=0', 'learning_rate'),
     ('train.py --batch_size=0', 'batch_size'),
     ('train.py --block_size=0', 'block_size'),
     ('train.py --eval_interval=0', 'eval_interval'),
-    ('train.py --keep_last=0', 'keep_last'),
+    ('train.py --ckpt.keep_last=0', 'keep_last'),
     ('train.py --max_steps=-1', 'max_steps'),
-    ('train.py --beta2=1.5', 'beta2'),
+    ('train.py --adamw.beta2=1.5', 'beta2'),
     ('train.py --warmup_steps=-5', 'warmup_steps'),
     ('train.py --dtype=float8', 'dtype'),
     ('train.py --schedule=sine', 'schedule'),
     ('train.py --optimizer=sgd', 'optimizer'),
-    ('train.py --data_format=xml', 'data_format'),
+    ('train.py --prepare.format=xml', 'prepare.format'),
+    ('train.py --n_layer=2', 'set --arch.n_layer=VALUE'),
+    ('train.py --arch.n_layers=2', 'did you mean --arch.n_layer?'),
+    ('train.py --lora.rank=-1', 'lora.rank=-1'),
     ('train.py --out_dir=/proc/x', 'out_dir'),
     ('train.py --device=cuda', 'device'),
     ("train.py --eval_tasks=['bogus']", 'bogus'),
@@ -81,8 +84,8 @@ MISTAKES = [  # (script and arguments, what the one line must name)
     ('train.py --learning_rat=1e-3', 'learning_rate'),
     ('train.py --max_steps=ten', 'max_steps'),
     ('train.py max_steps=10', 'max_steps=10'),
-    ('train.py ' + DATA.replace('NAME', 'rows.jsonl') + ' --data_format=jsonl', 'rows.jsonl'),
-    ('train.py ' + DATA.replace('NAME', 'chat.jsonl') + ' --data_format=chat', 'chat.jsonl'),
+    ('train.py ' + DATA.replace('NAME', 'rows.jsonl') + ' --prepare.format=jsonl', 'rows.jsonl'),
+    ('train.py ' + DATA.replace('NAME', 'chat.jsonl') + ' --prepare.format=chat', 'chat.jsonl'),
     ('sample.py --top_k=0', 'top_k'),
     ('sample.py --prompt=', 'prompt'),
     ('sample.py --num_tokens=-5', 'num_tokens'),

@@ -289,7 +289,7 @@ def test_train_py_upcycles_a_dense_checkpoint_and_samples_from_it(tmp_path):
     torch.manual_seed(0)
     Transformer(ModelConfig(vocab_size=320, n_layer=1, n_embd=32, n_head=2, n_kv_head=1, intermediate_size=64,
                             max_seq_len=64)).save_pretrained(src)
-    tiny = ['--batch_size=4', '--block_size=32', '--eval_iters=2', '--log_interval=1', '--sample_tokens=0',
+    tiny = ['--batch_size=4', '--block_size=32', '--eval_iters=2', '--log_interval=1', '--sample.tokens=0',
             '--max_steps=2', '--eval_interval=2', f'--init_from={src}', '--bitnet=False']
 
     def run(*args, script='train.py'):
@@ -424,7 +424,7 @@ def test_two_ternary_training_steps_from_each_moe_familys_tiny_model(tmp_path, k
     cmd = [*launch, 'train.py', f'--init_from={tmp_path / "hf"}', '--tokenizer=bytes', '--bitnet=True',
            f'--fsdp={ranks > 1}', f'--gradient_accumulation_steps={ranks}', '--batch_size=2', '--block_size=32',
            '--max_steps=2', '--eval_interval=2',
-           '--eval_iters=1', '--log_interval=1', '--sample_tokens=0', f'--out_dir={out}']
+           '--eval_iters=1', '--log_interval=1', '--sample.tokens=0', f'--out_dir={out}']
     r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     recs = [json.loads(line) for line in open(out / 'log.jsonl')]

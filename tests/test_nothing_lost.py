@@ -14,9 +14,9 @@ import sweep
 from configurator import configure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ['--n_layer=1', '--n_embd=32', '--n_head=2', '--n_kv_head=1', '--intermediate_size=64',
+TINY = ['--arch.n_layer=1', '--arch.n_embd=32', '--arch.n_head=2', '--arch.n_kv_head=1', '--arch.intermediate_size=64',
         '--batch_size=2', '--block_size=32', '--eval_iters=2', '--log_interval=1',
-        '--sample_tokens=0', '--warmup_steps=1']
+        '--sample.tokens=0', '--warmup_steps=1']
 
 
 def run(script, *args):
@@ -162,7 +162,7 @@ def test_a_resumed_lora_run_verifies_its_base_as_at_its_start(tmp_path):
     r = run('train.py', *TINY, '--max_steps=2', '--eval_interval=2', f'--out_dir={base_run}')
     assert r.returncode == 0, r.stderr
     base = base_run / 'ckpt_0000002'
-    lora = [*TINY, f'--init_from={base}', '--lora_rank=2', '--max_steps=4', '--eval_interval=2',
+    lora = [*TINY, f'--init_from={base}', '--lora.rank=2', '--max_steps=4', '--eval_interval=2',
             f'--out_dir={lora_run}']
     r = run('train.py', *lora, '--stop_after=2')
     assert r.returncode == 0, r.stderr

@@ -20,9 +20,9 @@ import remote
 import s3server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ['--n_layer=2', '--n_embd=32', '--n_head=2', '--n_kv_head=1', '--intermediate_size=64', '--batch_size=4',
+TINY = ['--arch.n_layer=2', '--arch.n_embd=32', '--arch.n_head=2', '--arch.n_kv_head=1', '--arch.intermediate_size=64', '--batch_size=4',
         '--block_size=32', '--eval_iters=2', '--log_interval=1', '--warmup_steps=2', '--eval_interval=2',
-        '--sample_tokens=0', '--max_steps=8']
+        '--sample.tokens=0', '--max_steps=8']
 
 
 @pytest.fixture(scope='module')
@@ -71,7 +71,7 @@ def test_every_checkpoint_uploaded_byte_for_byte_and_a_resume_from_storage_equal
     proxy, env = s3
     straight = train(env, f'--out_dir={tmp_path / "straight"}')
     assert straight.returncode == 0, straight.stderr
-    first = train(env, f'--out_dir={tmp_path / "a"}', '--upload_to=s3://runs/exp', '--stop_after=4', '--keep_last=1')
+    first = train(env, f'--out_dir={tmp_path / "a"}', '--upload_to=s3://runs/exp', '--stop_after=4', '--ckpt.keep_last=1')
     assert first.returncode == 0, first.stderr
     files = remote_files(s3, 'exp/')
     local = checkpoint.checkpoints(tmp_path / 'a')
@@ -457,7 +457,7 @@ def test_a_run_owns_its_upload_url_and_another_is_refused_before_training(s3, tm
     and deletes its own old checkpoints again."""
     proxy, env = s3
     url = 's3://runs/shared'
-    a = train(env, f'--out_dir={tmp_path / "a"}', f'--upload_to={url}', '--keep_last=1',
+    a = train(env, f'--out_dir={tmp_path / "a"}', f'--upload_to={url}', '--ckpt.keep_last=1',
               '--max_steps=4')
     assert a.returncode == 0, a.stderr
     first = remote_files(s3, 'shared/')
@@ -470,7 +470,7 @@ def test_a_run_owns_its_upload_url_and_another_is_refused_before_training(s3, tm
     assert not os.path.exists(tmp_path / 'b' / 'log.jsonl')
     assert remote_files(s3, 'shared/') == first
     again = train(env, f'--out_dir={tmp_path / "a"}', '--init_from=resume', f'--upload_to={url}',
-                  '--keep_last=1', '--max_steps=6')
+                  '--ckpt.keep_last=1', '--max_steps=6')
     assert again.returncode == 0, again.stderr
     assert f"uploads done: {url}/ckpt_0000006" in again.stdout
     files = remote_files(s3, 'shared/')

@@ -100,7 +100,7 @@ def test_smollm_command_end_to_end_against_a_local_hub(hub_server, tmp_path):
     out, shards = tmp_path / 'out', tmp_path / 'stories'
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', 'train.py', 'config/smollm.py',
            '--max_steps=10', f'--out_dir={out}', f'--dataset={shards}', '--batch_size=2', '--block_size=64',
-           '--eval_interval=5', '--eval_iters=2', '--log_interval=1', '--sample_tokens=20']
+           '--eval_interval=5', '--eval_iters=2', '--log_interval=1', '--sample.tokens=20']
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     recs = [json.loads(line) for line in open(out / 'log.jsonl')]

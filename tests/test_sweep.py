@@ -14,7 +14,7 @@ import arms as sweep_arms
 import sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = dict(n_layer=2, n_embd=32, n_head=2, n_kv_head=1, intermediate_size=64, batch_size=4, block_size=32,
+TINY = dict(arch=dict(n_layer=2, n_embd=32, n_head=2, n_kv_head=1, intermediate_size=64), batch_size=4, block_size=32,
             eval_iters=2, log_interval=1, warmup_steps=2, eval_interval=4)
 
 
@@ -46,13 +46,13 @@ def test_three_arms_in_four_chunks_equal_their_straight_runs_and_take_turns(tmp_
             'distill': {'teacher': teacher_dir, 'objectives': {'ce': {}, 'kd': {}, 'diffusion': {}},
                         'curriculum': [(0.25, {'ce': 1.0}), (1.0, {'ce': 1.0, 'kd': 1.0, 'diffusion': 0.5})]},
             'mixture': {'dataset': shard_dirs[0], 'mixture': {'a': (shard_dirs[0], 1.0), 'b': (shard_dirs[1], 1.0)},
-                        'remix_interval': 3}}
+                        'remix': {'interval': 3}}}
     r = run(write_sweep(tmp_path, arms))
     assert r.returncode == 0, r.stderr
     for name, overrides in arms.items():
         straight = str(tmp_path / f'straight_{name}')
         cmd = [sys.executable, 'train.py', *sweep_arms.arguments({**TINY, **overrides}), '--max_steps=8',
-               '--sample_tokens=0', f'--out_dir={straight}']
+               '--sample.tokens=0', f'--out_dir={straight}']
         assert subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=600).returncode == 0
         a, b = log(straight), log(tmp_path / 'sweep' / name)
         assert [x['step'] for x in b] == list(range(1, 9))

@@ -89,7 +89,7 @@ def test_answers_to_prompts_hold_out_every_tenth_prompt_and_train_py_reads_them(
     assert b'Question 9' in enc.decode_bytes(val) and b'Question 9' not in enc.decode_bytes(sum(train, []))
     r = subprocess.run([sys.executable, 'train.py', f'--dataset={out}', '--tokenizer=bytes', f'--init_from={teacher}',
                         '--bitnet=True', '--max_steps=2', '--batch_size=2', '--block_size=32', '--eval_interval=2',
-                        '--eval_iters=1', '--sample_tokens=0', f'--out_dir={tmp_path / "student"}'],
+                        '--eval_iters=1', '--sample.tokens=0', f'--out_dir={tmp_path / "student"}'],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     prompts.write_text('\n'.join(lines[:9]) + '\n')

@@ -113,10 +113,10 @@ def test_a_bad_reply_is_retried_then_refused_in_one_line(trouble, says):
 def test_a_bad_reply_ends_a_training_run_in_one_line(tmp_path):
     server, url = vllm_stub('word key')
     try:
-        r = subprocess.run([sys.executable, 'train.py', f'--teacher={url}', '--teacher_model=tiny',
+        r = subprocess.run([sys.executable, 'train.py', f'--teacher={url}', '--vllm.model=tiny',
                             "--objectives={'kd': {}}", "--curriculum=[(1.0, {'kd': 1.0})]",
-                            '--teacher_top_k=3', '--n_layer=1', '--n_embd=32', '--n_head=2',
-                            '--n_kv_head=1', '--intermediate_size=64', '--batch_size=2',
+                            '--vllm.top_k=3', '--arch.n_layer=1', '--arch.n_embd=32', '--arch.n_head=2',
+                            '--arch.n_kv_head=1', '--arch.intermediate_size=64', '--batch_size=2',
                             '--block_size=16', '--max_steps=2', f'--out_dir={tmp_path}'],
                            cwd=ROOT, capture_output=True, text=True, timeout=300)
     finally:

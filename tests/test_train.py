@@ -1,4 +1,5 @@
 """train.py and sample.py end to end, as a user runs them: real processes, real files."""
+import ast
 import json
 import math
 import os
@@ -9,8 +10,8 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ['--n_layer=1', '--n_embd=32', '--n_head=2', '--n_kv_head=1', '--intermediate_size=64', '--batch_size=4',
-        '--block_size=32', '--eval_iters=2', '--log_interval=1', '--sample_tokens=0', '--warmup_steps=2']
+TINY = ['--arch.n_layer=1', '--arch.n_embd=32', '--arch.n_head=2', '--arch.n_kv_head=1', '--arch.intermediate_size=64', '--batch_size=4',
+        '--block_size=32', '--eval_iters=2', '--log_interval=1', '--sample.tokens=0', '--warmup_steps=2']
 
 
 def run(args, script='train.py', env=None):
@@ -21,6 +22,33 @@ def run(args, script='train.py', env=None):
 def log(out_dir):
     with open(os.path.join(out_dir, 'log.jsonl')) as f:
         return [json.loads(line) for line in f]
+
+
+CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, 'config')) if f.endswith('.py'))
+
+
+@pytest.mark.parametrize('name', CONFIGS)
+def test_every_config_resolves_with_check(name):
+    """Every config file in config/ names only settings train.py has, of their types and in
+    their ranges: `train.py CONFIG --check` prints them all and exits 0, before any work."""
+    r = run([os.path.join('config', name), '--check'])
+    assert r.returncode == 0, r.stderr
+    settings = ast.literal_eval(r.stdout.strip().splitlines()[-1])['settings']
+    scope = {}
+    exec(open(os.path.join(ROOT, 'config', name)).read(), scope)
+    for key, value in scope.items():  # what the file sets is what train.py would run
+        if key in settings and isinstance(value, dict) and key not in ('objectives', 'mixture'):
+            assert value.items() <= settings[key].items(), key
+        elif key in settings:
+            assert settings[key] == value, key
+
+
+def test_every_sweep_file_checks_out():
+    """Each sweep in sweeps/ has every arm's settings accepted as train.py takes them."""
+    import arms
+    for name in sorted(os.listdir(os.path.join(ROOT, 'sweeps'))):
+        state = arms.new_sweep(os.path.join(ROOT, 'sweeps', name))
+        assert state['arms'], name
 
 
 def test_train_then_resume_carries_on_step_and_lr(tmp_path):
@@ -37,7 +65,7 @@ def test_train_then_resume_carries_on_step_and_lr(tmp_path):
 
     # an interrupted run: its last checkpoint is at step 4; resume must carry on from there
     out2 = str(tmp_path / 'out2')
-    assert run([*TINY, f'--out_dir={out2}', '--max_steps=8', '--eval_interval=4', '--ckpt_interval=4']).returncode == 0
+    assert run([*TINY, f'--out_dir={out2}', '--max_steps=8', '--eval_interval=4', '--ckpt.interval=4']).returncode == 0
     import shutil
     shutil.rmtree(os.path.join(out2, 'ckpt_0000008'))
     os.remove(os.path.join(out2, 'log.jsonl'))
@@ -81,7 +109,7 @@ def test_sample_falls_back_from_a_damaged_newest_checkpoint(tmp_path):
     one is skipped with one warning line, and left in place; named directly, it is a one-line
     error."""
     out = str(tmp_path / 'out')
-    r = run([*TINY, f'--out_dir={out}', '--max_steps=4', '--eval_interval=4', '--ckpt_interval=2'])
+    r = run([*TINY, f'--out_dir={out}', '--max_steps=4', '--eval_interval=4', '--ckpt.interval=2'])
     assert r.returncode == 0, r.stderr
     newest = os.path.join(out, 'ckpt_0000004')
     with open(os.path.join(newest, 'model.safetensors'), 'r+b') as f:
@@ -135,8 +163,8 @@ def test_sft_on_chat_jsonl_and_dpo_on_preference_pairs(tmp_path):
     (tmp_path / 'chat.jsonl').write_text('\n'.join(json.dumps(c) for c in chats))
     sft = str(tmp_path / 'sft')
     # windows of 128 tokens: every prompt of config/preferences.jsonl (up to 69 bytes) leaves room for its answer
-    r = run([*TINY, '--block_size=128', f'--out_dir={sft}', '--max_steps=2', f'--dataset={tmp_path / "chat"}', '--data_format=chat',
-             f"--data_files={{'train': '{tmp_path / 'chat.jsonl'}'}}", '--bitnet=False'])
+    r = run([*TINY, '--block_size=128', f'--out_dir={sft}', '--max_steps=2', f'--dataset={tmp_path / "chat"}', '--prepare.format=chat',
+             f"--prepare.files={{'train': '{tmp_path / 'chat.jsonl'}'}}", '--bitnet=False'])
     assert r.returncode == 0, r.stderr
     assert 'prepared' in r.stdout and all(math.isfinite(rec['loss']) for rec in log(sft))
 
@@ -150,7 +178,7 @@ def test_sft_on_chat_jsonl_and_dpo_on_preference_pairs(tmp_path):
 
 
 def test_bad_data_settings_fail_in_one_line(tmp_path):
-    r = run([*TINY, f'--out_dir={tmp_path}', '--remix_interval=5'])
+    r = run([*TINY, f'--out_dir={tmp_path}', '--remix.interval=5'])
     assert r.returncode != 0 and r.stderr.strip().count('\n') == 0 and 'mixture' in r.stderr
     r = run([*TINY, f'--out_dir={tmp_path}', f'--dataset={tmp_path / "none"}'])
     assert r.returncode != 0 and r.stderr.strip().count('\n') == 0 and 'shards' in r.stderr
@@ -161,7 +189,7 @@ def test_every_eval_logs_the_greedy_continuations_of_eval_prompts(tmp_path):
     from model import Transformer
     from tokenizer import get_tokenizer
     out = str(tmp_path / 'out')
-    r = run([*TINY, f'--out_dir={out}', '--max_steps=4', '--eval_interval=2', "--eval_prompts=['def ', 'The ']"])
+    r = run([*TINY, f'--out_dir={out}', '--max_steps=4', '--eval_interval=2', "--sample.prompts=['def ', 'The ']"])
     assert r.returncode == 0, r.stderr
     recs = log(out)
     assert [rec['step'] for rec in recs if 'samples' in rec] == [2, 4]  # eval steps only
@@ -185,15 +213,15 @@ def test_sft_val_loss_counts_only_answers_when_some_val_batches_hold_none(tmp_pa
     prompts = [{'messages': [{'role': 'user', 'content': topics[k][:600]}]} for k in keys[:4]]  # no answer
     for name, rows in (('train', train), ('val', val), ('prompts', prompts)):
         (tmp_path / f'{name}.jsonl').write_text('\n'.join(json.dumps(c) for c in rows))
-    args = [*TINY, '--max_steps=2', '--eval_interval=1', '--eval_iters=8', '--data_format=chat']
+    args = [*TINY, '--max_steps=2', '--eval_interval=1', '--eval_iters=8', '--prepare.format=chat']
     out = str(tmp_path / 'out')
     r = run([*args, f'--out_dir={out}', f'--dataset={tmp_path / "a"}',
-             f"--data_files={{'train': '{tmp_path / 'train.jsonl'}', 'val': '{tmp_path / 'val.jsonl'}'}}"])
+             f"--prepare.files={{'train': '{tmp_path / 'train.jsonl'}', 'val': '{tmp_path / 'val.jsonl'}'}}"])
     assert r.returncode == 0, r.stderr
     vals = [rec['val_loss'] for rec in log(out) if 'val_loss' in rec]
     assert len(vals) == 2 and all(math.isfinite(v) and v > 0 for v in vals)
     r = run([*args, f'--out_dir={tmp_path / "b"}', f'--dataset={tmp_path / "b"}',
-             f"--data_files={{'train': '{tmp_path / 'train.jsonl'}', 'val': '{tmp_path / 'prompts.jsonl'}'}}"])
+             f"--prepare.files={{'train': '{tmp_path / 'train.jsonl'}', 'val': '{tmp_path / 'prompts.jsonl'}'}}"])
     assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith('error: no val batch holds a counted')
 
 
@@ -257,10 +285,10 @@ def auto_batch_runs(args, out):
     """A run at batch_size 8 x 1 with auto_batch under a limit of 40% of what 8 sequences keep
     for backward, and the run at the micro-batch it chose without auto_batch: (chosen, their
     logs)."""
-    r = run([*args, f'--out_dir={out}/probe', '--max_steps=1', '--auto_batch=True', '--auto_batch_gib=1000'])
+    r = run([*args, f'--out_dir={out}/probe', '--max_steps=1', '--auto_batch.on=True', '--auto_batch.gib=1000'])
     assert r.returncode == 0 and 'auto_batch: batch_size=8 x 1' in r.stdout, r.stderr
     whole = float(r.stdout.split('auto_batch: ')[1].split('(')[1].split(' GiB')[0])
-    r = run([*args, f'--out_dir={out}/auto', '--auto_batch=True', f'--auto_batch_gib={0.4 * whole}'])
+    r = run([*args, f'--out_dir={out}/auto', '--auto_batch.on=True', f'--auto_batch.gib={0.4 * whole}'])
     assert r.returncode == 0, r.stderr
     chosen = int(r.stdout.split('auto_batch: batch_size=')[1].split(' ')[0])
     assert chosen < 8 and f'batch_size={chosen} x {8 // chosen} ' in r.stdout
