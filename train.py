@@ -10,11 +10,14 @@ offline corpus, on the CPU, in a few minutes:
     python train.py config/lora.py                   # LoRA on a frozen, packed model
     python train.py config/smollm.py --check         # the settings resolved, then exit
 
-The script reads top to bottom like nanoGPT's: settings, DDP, data, model, objectives,
-auto batch, optimizer, the run's state (TrainState: all a checkpoint saves), the loop. The
-set-up finishes every setting before anything takes it. The pieces live in the files it
-imports (objectives.py: losses; optim.py: optimizers; data.py: batches; checkpoint.py:
-checkpoints).
+The script reads top to bottom like nanoGPT's: settings, the set-up (ranks, the checkpoint
+it starts from, data, model, objectives, auto batch, optimizers, the run's state), the loop.
+The set-up finishes every setting before anything takes it; each optional feature is set
+up in a line or two by the file that owns it (objectives.py: losses; optim.py: optimizers,
+DDP and FSDP2; data.py: batches; checkpoint.py: checkpoints and checkpoint.TrainState, all
+a checkpoint saves; lora.py, rl.py, teachers.py). A setting that only one feature reads
+sits in that feature's group (a dict such as `arch` or `lora`), set one key at a time with
+--group.key=value (configurator.py).
 """
 import functools
 import json
