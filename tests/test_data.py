@@ -194,7 +194,7 @@ def test_prepare_jsonl_with_val_file_and_bad_field(tmp_path):
     assert enc.decode(read_split(folder, 'val')[0].tolist()) == '<|endoftext|>held out'
     with pytest.raises(FileExistsError, match='already holds token shards'):
         data.prepare([str(tmp_path / 'a.jsonl')], folder, 'bytes', 'jsonl', text_field='body', workers=1)
-    with pytest.raises(ValueError, match="no field 'text' .*'body'.*set text_field"):
+    with pytest.raises(ValueError, match="no field 'text' .*'body'.*set prepare.text_field"):
         data.prepare([str(tmp_path / 'a.jsonl')], str(tmp_path / 'o2'), 'bytes', 'jsonl', [str(tmp_path / 'b.jsonl')], workers=1)
     with pytest.raises(ValueError, match='no val documents'):
         data.prepare([str(tmp_path / 'a.jsonl')], str(tmp_path / 'o3'), 'bytes', 'jsonl', text_field='body', workers=1)

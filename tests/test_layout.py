@@ -125,6 +125,18 @@ def test_model_is_the_decoder_and_nothing_of_the_machine():
     assert 'is_tensor' not in text and 'use_attention' not in text and 'self.attend' not in text
 
 
+def test_train_is_settings_then_a_short_set_up_then_the_loop():
+    """train.py in nanoGPT's order: at most 60 settings between the rulers (a setting only
+    one feature reads sits in that feature's group), then at most 250 lines of set-up
+    before the training loop; each optional feature is set up by its own module."""
+    source = open(os.path.join(ROOT, 'train.py')).read()
+    assert len(settings_of(source)) <= 60
+    text = lines('train.py')
+    ruler = max(i for i, line in enumerate(text) if line == '# ' + '-' * 77)
+    loop = next(i for i, line in enumerate(text) if line.startswith('while run.step'))
+    assert loop - ruler <= 250, f"{loop - ruler} lines of set-up"
+
+
 def test_train_functions_take_what_they_use():
     """No function of train.py reads more than 5 module-level names that are neither
     settings, imports, functions nor constants: the run's state travels as arguments or in

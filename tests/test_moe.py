@@ -310,7 +310,7 @@ def test_train_py_upcycles_a_dense_checkpoint_and_samples_from_it(tmp_path):
     assert r.returncode == 0 and r.stdout.startswith('Hello'), r.stderr
     r = run(*tiny, "--moe={'n_experts': 8, 'top_k': 2}", f'--out_dir={out}', '--init_from=resume',
             '--max_steps=3')
-    assert r.returncode == 1 and 'was trained with moe=' in r.stderr and r.stderr.count('\n') == 1
+    assert r.returncode == 1 and 'was trained with moe.n_experts=4 (now 8)' in r.stderr and r.stderr.count('\n') == 1
 
 
 # ------------------------------------------------- the MoE checkpoints people download
