@@ -25,6 +25,7 @@ The offline default corpus is the text of the Python standard library's document
 so `python train.py` needs no download.
 """
 import glob
+import hashlib
 import itertools
 import json
 import multiprocessing as mp
@@ -316,12 +317,15 @@ def prepare(files, folder, tokenizer='bytes', fmt='text', val_files=(), val_ever
 
 
 def setup_data(folder, files=None, tokenizer='bytes', fmt='text', text_field='text',
-               wait=6 * 3600, n_vocab=None):
+               wait=6 * 3600, n_vocab=None, tokenizer_file=None):
     """Make sure folder holds token shards, once: files = {'train': [...], 'val': [...]}
     (val optional; paths, URLs or hf:// names) downloaded as they are (fmt 'tokens':
     llm.c shards) or downloaded and prepared. Local rank 0 works; the other ranks wait
-    for its marker, which records the tokenizer, so shards are never read with another
-    one. Given n_vocab, shards that hold an id past it are refused."""
+    for its marker, which records the tokenizer (its name, and the sha256 of its
+    tokenizer_file when it has one), so shards are never read with another one: a
+    tokenizer of another name is the same one only when both files are byte for byte
+    the same (a run's checkpoint carries a copy of its model's tokenizer.json). Given
+    n_vocab, shards that hold an id past it are refused."""
     marker = os.path.join(folder, 'prepared.json')
     if files and not os.path.exists(marker):
         if local_rank() != 0:
@@ -340,12 +344,16 @@ def setup_data(folder, files=None, tokenizer='bytes', fmt='text', text_field='te
                         text_field=text_field)
             made = {'tokenizer': tokenizer, 'format': fmt, 'files': files,
                     'max_id': largest_id(folder)}
+            if tokenizer_file:
+                made['tokenizer_sha256'] = file_sha256(tokenizer_file)
             write_marker(marker, made)
     made = {}
     if os.path.exists(marker):
         with open(marker) as f:
             made = json.load(f)
-        if made['tokenizer'] != tokenizer:
+        same_file = (tokenizer_file and 'tokenizer_sha256' in made
+                     and made['tokenizer_sha256'] == file_sha256(tokenizer_file))
+        if made['tokenizer'] != tokenizer and not same_file:
             raise ValueError(f"{folder} holds tokens of tokenizer {made['tokenizer']!r}, "
                              f"not {tokenizer!r}; set tokenizer={made['tokenizer']!r} "
                              f"or use another folder")
@@ -364,6 +372,11 @@ def setup_data(folder, files=None, tokenizer='bytes', fmt='text', text_field='te
         raise ValueError(f"{folder} holds token id {top}, past the {n_vocab} ids of "
                          f"tokenizer {tokenizer!r}; prepare the shards with it again")
     return folder
+
+
+def file_sha256(path):
+    with open(path, 'rb') as f:
+        return hashlib.file_digest(f, 'sha256').hexdigest()
 
 
 def largest_id(folder):
@@ -612,8 +625,8 @@ def preference_pairs(path, enc, block_size, eos):
     return x[0::2], y[0::2], x[1::2], y[1::2]
 
 
-def run_data(dataset, prepare, mixture, remix_interval, enc, tokenizer_name, dpo_data='',
-             block_size=128):
+def run_data(dataset, prepare, mixture, remix_interval, enc, tokenizer_name, tokenizer_file,
+             dpo_data='', block_size=128):
     """(train data, val data, preference pairs or None) of a train.py run: the token
     shards of `dataset` (made once from prepare's files, format and text field; ids
     checked against enc's vocabulary), trained on through `mixture` when one is named,
@@ -623,7 +636,7 @@ def run_data(dataset, prepare, mixture, remix_interval, enc, tokenizer_name, dpo
                          "remix.interval needs mixture=")
     if dataset:
         setup_data(dataset, prepare['files'], tokenizer_name, prepare['format'],
-                   prepare['text_field'], n_vocab=enc.n_vocab)
+                   prepare['text_field'], n_vocab=enc.n_vocab, tokenizer_file=tokenizer_file)
         train_data, val_data = mixture or dataset, dataset
     else:
         train_data, val_data = offline_corpus(enc)

@@ -36,20 +36,25 @@ from kernels import holding_weights, pack_int8, ternary_linear
 from model import Attention, MLP
 
 
-def llama_cpp_forward(path, max_len=2048):
-    """(forward, context length) for a GGUF file run by llama.cpp (llama-cpp-python),
-    its context cut to max_len: each row is evaluated from an empty cache, and the logits
-    of every position are returned."""
+def llama_cpp_model(path, max_len=2048):
+    """A GGUF file opened by llama.cpp (llama-cpp-python), its context cut to max_len,
+    keeping the logits of every position it evaluates (`scores`)."""
     try:
         import llama_cpp
     except ImportError:
-        raise ImportError("scoring a GGUF file needs llama-cpp-python: "
+        raise ImportError("running a GGUF file needs llama-cpp-python: "
                           "pip install llama-cpp-python") from None
     meta = llama_cpp.Llama(path, vocab_only=True, verbose=False).metadata
     arch = meta['general.architecture']
     n_ctx = min(int(meta[f'{arch}.context_length']), max_len)
-    llm = llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
-                          logits_all=True, verbose=False)
+    return llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
+                           logits_all=True, verbose=False)
+
+
+def llama_cpp_forward(path, max_len=2048):
+    """(forward, context length) for a GGUF file run by llama.cpp: each row is evaluated
+    from an empty cache, and the logits of every position are returned."""
+    llm = llama_cpp_model(path, max_len)
 
     def forward(x):
         rows = []
@@ -58,7 +63,28 @@ def llama_cpp_forward(path, max_len=2048):
             llm.eval(ids)
             rows.append(torch.from_numpy(llm.scores[:len(ids)].copy()))
         return torch.stack(rows)
-    return forward, n_ctx
+    return forward, llm.n_ctx()
+
+
+def llama_cpp_greedy(path, max_len=2048):
+    """A greedy decoder for a GGUF file run by llama.cpp: answer(ids, max_new_tokens,
+    stop_ids, vocab) -> the new token ids, each the argmax of llama.cpp's logits over the
+    tokenizer's `vocab` ids (no sampler), ending at the first stop id, which it keeps,
+    as `rollout` does."""
+    llm = llama_cpp_model(path, max_len)
+
+    def answer(ids, max_new_tokens, stop_ids, vocab):
+        llm.reset()
+        llm.eval(ids)
+        new = []
+        while len(new) < max_new_tokens:
+            token = int(llm.scores[llm.n_tokens - 1, :vocab].argmax())
+            new.append(token)
+            if token in stop_ids:
+                break
+            llm.eval([token])
+        return new
+    return answer
 
 
 @torch.no_grad()

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from checkpoint import load
 from configurator import configure, words
-from engine import rollout
+from engine import llama_cpp_greedy, rollout
 from hub import cache_dir
 from objectives import group_advantages
 from tokenizer import chat_prompt, chat_template, eos_id, get_tokenizer
@@ -93,6 +93,23 @@ def arithmetic_files(n_train=5000, n_heldout=200):
             f.writelines(json.dumps(row) + '\n' for row in rows)
         os.replace(path + '.tmp', path)
     return paths
+
+
+def arithmetic_sft_file():
+    """The training problems as chat rows {prompt, response: '#### <answer>'}, made once
+    beside them: the gold answers a model is fine-tuned on (config/arith_teacher.py) and
+    the ternary students' cross-entropy (config/arith_student.py)."""
+    train, _ = arithmetic_files()
+    path = os.path.join(os.path.dirname(train), 'sft.jsonl')
+    if os.path.exists(path):
+        return path
+    with open(train) as f:
+        rows = [json.loads(line) for line in f]
+    with open(path + '.tmp', 'w') as f:
+        for row in rows:
+            f.write(json.dumps({'prompt': row['prompt'], 'response': '#### ' + row['answer']}) + '\n')
+    os.replace(path + '.tmp', path)
+    return path
 
 
 # ------------------------------------------------------------------ rewards
@@ -301,10 +318,10 @@ class Rollouts:
         return batches, metrics
 
     @torch.no_grad()
-    def heldout_scores(self, model, temperature=0.0, seed=0, batch=50):
-        """Each reward's mean over the held-out prompts' completions: greedy, or sampled at
-        `temperature` with row seeds from `seed`."""
-        rows, scores = self.heldout, []
+    def heldout_texts(self, model, temperature=0.0, seed=0, batch=50):
+        """The held-out prompts' completions: greedy, or sampled at `temperature` with
+        row seeds from `seed`."""
+        rows, texts = self.heldout, []
         for i in range(0, len(rows), batch):
             part = rows[i:i + batch]
             seeds = [seed * 1_000_003 + i + j for j in range(len(part))]
@@ -312,26 +329,49 @@ class Rollouts:
                                     self.max_new_tokens, temperature, self.top_p,
                                     self.stop_ids, seeds, self.enc.n_vocab,
                                     all_done=self.all_done)
-            scores.append(self.score(part, self.texts(x, mask)))
-        means = torch.cat(scores).mean(0)
+            texts += self.texts(x, mask)
+        return texts
+
+    def gguf_texts(self, path):
+        """The held-out prompts' greedy completions through llama.cpp, from a GGUF file."""
+        answer = llama_cpp_greedy(path)
+        texts = []
+        for row in self.heldout:
+            new = answer(row['tokens'], self.max_new_tokens, self.stop_ids, self.enc.n_vocab)
+            texts.append(self.enc.decode([t for t in new if t not in self.stop_ids]))
+        return texts
+
+    def heldout_scores(self, model, temperature=0.0, seed=0):
+        """Each reward's mean over the held-out prompts' completions (heldout_texts)."""
+        texts = self.heldout_texts(model, temperature, seed)
+        return self.mean_scores(texts)
+
+    def mean_scores(self, texts):
+        """Each reward's mean over the held-out prompts, given their completions."""
+        means = self.score(self.heldout, texts).mean(0)
         return {f'heldout_{name}': means[i].item() for i, name in enumerate(self.rewards)}
 
 
 def main(argv):
     """python rl.py: write the offline task and print where. With --ckpt=DIR (what sample.py
     takes): that model's held-out scores, greedy, or sampled at --temperature once per
-    --seeds=0,1,2 (the spread an untrained model shows by chance)."""
+    --seeds=0,1,2 (the spread an untrained model shows by chance). With --gguf=FILE, its
+    export beside it: both answer greedily, the GGUF through llama.cpp; their scores, how
+    many completions are the same, and each pair that is not."""
     settings = dict(ckpt='', max_new_tokens=48, rewards='correct_answer,format',
-                    temperature=0.0, seeds='0')
+                    temperature=0.0, seeds='0', gguf='')
     ranges = {'max_new_tokens': 'positive', 'temperature': 'non-negative',
               'rewards': 'non-empty', 'seeds': 'non-empty'}
     c = configure(settings, words(argv, most=0)[1], ranges)
     if not c['ckpt']:
-        print('\n'.join(arithmetic_files()))
+        print('\n'.join([*arithmetic_files(), arithmetic_sft_file()]))
         return
     seeds = c['seeds'].split(',')
     if not all(s.isdigit() for s in seeds):
         raise SystemExit(f"error: seeds={c['seeds']!r}; set --seeds to integers, e.g. 0,1,2")
+    if c['gguf'] and not os.path.isfile(c['gguf']):
+        raise SystemExit(f"error: gguf={c['gguf']!r} is no file; write one with "
+                         f"python export.py --ckpt={c['ckpt']} --gguf=FILE")
     try:
         _, model, tokenizer = load(c['ckpt'])
         enc = get_tokenizer(tokenizer)
@@ -340,6 +380,16 @@ def main(argv):
                           rewards=c['rewards'].split(','))
     except (OSError, ValueError, RuntimeError, KeyError) as e:
         raise SystemExit(f"error: {e}") from None
+    if c['gguf']:
+        ours = scorer.heldout_texts(model)
+        theirs = scorer.gguf_texts(c['gguf'])
+        same = sum(a == b for a, b in zip(ours, theirs))
+        print(json.dumps(dict(ours=scorer.mean_scores(ours), llama_cpp=scorer.mean_scores(theirs),
+                              same_completions=same, of=len(ours))), flush=True)
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            if a != b:
+                print(json.dumps(dict(problem=i, ours=a, llama_cpp=b)), flush=True)
+        return
     for seed in seeds:
         scores = scorer.heldout_scores(model, c['temperature'], int(seed))
         print(json.dumps(dict(temperature=c['temperature'], seed=int(seed), **scores)),

@@ -245,7 +245,8 @@ try:
     enc, tokenizer_name, tokenizer_file = run_tokenizer(
         own, saved['tokenizer'] if saved else '', tokenizer)
     train_data, val_data, pairs = run_data(dataset, prepare, mixture, remix['interval'],
-                                           enc, tokenizer_name, dpo_data, block_size)
+                                           enc, tokenizer_name, tokenizer_file, dpo_data,
+                                           block_size)
 except (OSError, ValueError, KeyError) as e:
     sys.exit(f"error: data: {e}")
 batches_of = functools.partial(Batches, train_data, val_data, block_size=block_size,

@@ -9,9 +9,17 @@ import sys
 import threading
 import time
 
-import numpy as np
-import pytest
-import torch
+# pytest.ini runs the tests on several workers (pytest-xdist): each takes its share of the
+# cores, for itself and for the train.py and torchrun processes it starts (they inherit
+# it), set before torch is imported. Two workers' torch threads spinning on the same two
+# cores run several times slower than one thread each.
+if 'PYTEST_XDIST_WORKER' in os.environ and 'OMP_NUM_THREADS' not in os.environ:
+    share = (os.cpu_count() or 1) // int(os.environ['PYTEST_XDIST_WORKER_COUNT'])
+    os.environ['OMP_NUM_THREADS'] = str(max(1, share))
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)

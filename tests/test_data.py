@@ -472,6 +472,29 @@ def test_setup_data_prepares_once_and_guards_the_tokenizer(tmp_path):
         data.setup_data(str(tmp_path / 'e2'), {'train': str(tmp_path / 'nope.txt')})
 
 
+def test_a_copy_of_the_tokenizer_file_reads_the_shards_and_another_file_does_not(tmp_path, gpt2_tok):
+    """A run's checkpoint carries a copy of its model's tokenizer.json: shards prepared with the
+    model's are read with the copy's (the same bytes) under another name, and refused with a
+    tokenizer file that differs in one merge, or without a file to compare."""
+    import shutil
+    with open(tmp_path / 'in.txt', 'w') as f:
+        f.write('<|endoftext|>'.join(corpus() * 2))
+    folder, files = str(tmp_path / 'd'), {'train': str(tmp_path / 'in.txt')}
+    data.setup_data(folder, files, gpt2_tok, tokenizer_file=gpt2_tok)
+    (tmp_path / 'ckpt').mkdir()
+    copy = str(tmp_path / 'ckpt' / 'tokenizer.json')
+    shutil.copy(gpt2_tok, copy)
+    assert data.setup_data(folder, files, str(tmp_path / 'ckpt'), tokenizer_file=copy) == folder
+    other = json.load(open(gpt2_tok))
+    other['model']['merges'] = other['model']['merges'][:-1]
+    (tmp_path / 'other').mkdir()
+    json.dump(other, open(tmp_path / 'other' / 'tokenizer.json', 'w'))
+    with pytest.raises(ValueError, match='holds tokens of tokenizer'):
+        data.setup_data(folder, files, str(tmp_path / 'other'), tokenizer_file=str(tmp_path / 'other' / 'tokenizer.json'))
+    with pytest.raises(ValueError, match='holds tokens of tokenizer'):
+        data.setup_data(folder, files, str(tmp_path / 'ckpt'))
+
+
 @pytest.mark.parametrize('name', ['tinystories', 'fineweb', 'sft'])
 def test_data_configs_name_hub_files(name, monkeypatch):
     monkeypatch.delenv('HF_ENDPOINT', raising=False)

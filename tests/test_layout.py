@@ -256,3 +256,14 @@ def test_no_file_changes_another_files_objects_or_functions(name):
         if isinstance(t, ast.Attribute) and root not in ('self', 'cls', 'ctx'):
             assert t.attr in mine or t.attr not in others, \
                 f"{where} sets an attribute another file's classes define"
+
+
+def test_each_test_worker_takes_its_share_of_the_cores():
+    """conftest.py: under pytest-xdist each worker (and what it starts) runs on its share of the
+    cores, so that two workers' torch threads do not spin on the same ones."""
+    import torch
+    if 'PYTEST_XDIST_WORKER' not in os.environ:
+        pytest.skip('one process: torch keeps its own default')
+    share = max(1, (os.cpu_count() or 1) // int(os.environ['PYTEST_XDIST_WORKER_COUNT']))
+    assert int(os.environ['OMP_NUM_THREADS']) == share
+    assert torch.get_num_threads() == share

@@ -1,0 +1,36 @@
+# Task-specific conversion, stage 2 of 2 (docs/task_conversion.md): the ternary student.
+# BitDistill (Wu et al. 2025) on one task: the fp teacher of config/arith_teacher.py,
+# converted to BitNet with SubLN (gains calibrated on the first batches), learns on the
+# task's training prompts from that same teacher, frozen:
+# - for the first third of the steps, block-wise reconstruction alone: each block, fed
+#   the fp block's input, learns to give its output, on every token of prompt and answer;
+# - then the cross-entropy on the answers, logits KD on the answers (T = 5) and
+#   attention-relation KD on the last layer (every token), AdamW's moments afresh.
+#   python train.py config/arith_student.py
+#   python rl.py --ckpt=out-arith-student                     # its held-out accuracy
+# The baselines on the same tokens and steps (docs/task_conversion.md): the CE alone,
+#   --objectives="{'ce': {}}" --curriculum="[(1.0, {'ce': 1.0})]" --teacher=''
+# and, with that, a ternary model of the same shape from random weights:
+#   --init_from=scratch --tokenizer=out-arith-teacher --arch=... (its config.json's shape)
+import rl
+
+out_dir = 'out-arith-student'
+init_from = 'out-arith-teacher'
+teacher = 'out-arith-teacher'
+bitnet = True
+weight_scale = 'row'
+dataset = 'data/arithmetic-smollm2'
+prepare = dict(files={'train': rl.arithmetic_sft_file()}, format='chat')
+objectives = {'block': {}, 'ce': {}, 'kd': {'temperature': 5.0},
+              'attn': {'layer': -1, 'heads': 4}}
+curriculum = [(1 / 3, {'block': 1.0}), (1.0, {'ce': 1.0, 'kd': 1.0, 'attn': 10.0})]
+batch_size = 16
+block_size = 96
+max_steps = 120
+warmup_steps = 10
+learning_rate = 1e-3
+min_lr = 1e-4
+weight_decay = 0.0
+eval_interval = 40
+eval_iters = 4
+sample = dict(tokens=0)

@@ -1,0 +1,103 @@
+"""Task-specific conversion (docs/task_conversion.md): its data and its two configs, each run
+for 2 steps from a tiny local model, as a user runs them."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from model import ModelConfig, Transformer
+from test_data import train_hf_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def log(out_dir):
+    with open(os.path.join(out_dir, 'log.jsonl')) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_sft_rows_are_the_training_problems_with_their_answers(tmp_path, monkeypatch):
+    import rl
+    monkeypatch.setenv('NANOBITNET_CACHE', str(tmp_path))
+    train, heldout = rl.arithmetic_files()
+    with open(train) as f:
+        problems = [json.loads(line) for line in f]
+    with open(rl.arithmetic_sft_file()) as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) == len(problems) == 5000
+    for row, problem in zip(rows, problems):
+        assert row == {'prompt': problem['prompt'], 'response': '#### ' + problem['answer']}
+        assert rl.final_answer(row['response']) == problem['answer']
+    with open(heldout) as f:
+        held = {json.loads(line)['prompt'] for line in f}
+    assert not held & {row['prompt'] for row in rows}
+
+
+def test_teacher_then_student_configs_run_two_steps_from_a_tiny_model(tmp_path):
+    """config/arith_teacher.py fine-tunes a tiny fp model (with a ChatML tokenizer) for 2
+    steps; config/arith_student.py converts that run to ternary and distils it for 2 steps:
+    block-wise reconstruction, then CE + KD + attention relations."""
+    folder = tmp_path / 'model'
+    torch.manual_seed(0)
+    Transformer(ModelConfig(vocab_size=2100, n_layer=2, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64,
+                            max_seq_len=128)).save_pretrained(str(folder))
+    train_hf_tokenizer('smollm2', str(folder))
+    env = {**os.environ, 'NANOBITNET_CACHE': str(tmp_path / 'cache')}
+    small = ['--max_steps=2', '--batch_size=2', '--eval_interval=2', '--eval_iters=1', '--log_interval=1',
+             f'--dataset={tmp_path / "data"}']
+
+    def train(config, out, *args):
+        cmd = [sys.executable, 'train.py', config, f'--out_dir={out}', *small, *args]
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        return log(out)
+
+    teacher = tmp_path / 'teacher'
+    steps = train('config/arith_teacher.py', teacher, f'--init_from={folder}')
+    assert [s['step'] for s in steps] == [1, 2] and math.isfinite(steps[-1]['val_loss'])
+    assert not Transformer.from_pretrained(str(teacher / 'ckpt_0000002')).config.bitnet
+    steps = train('config/arith_student.py', tmp_path / 'student', f'--init_from={teacher}', f'--teacher={teacher}',
+                  '--warmup_steps=1')
+    assert steps[0]['w_block'] == 1 and math.isfinite(steps[0]['loss_block'])
+    last = steps[-1]
+    assert (last['w_ce'], last['w_kd'], last['w_attn']) == (1, 1, 10)
+    assert all(math.isfinite(last[f'loss_{k}']) for k in ('ce', 'kd', 'attn'))
+    student = Transformer.from_pretrained(str(tmp_path / 'student' / 'ckpt_0000002'))
+    assert student.config.bitnet and student.config.weight_scale == 'row'
+
+
+def test_rl_scores_a_gguf_export_beside_its_checkpoint(tmp_path):
+    """python rl.py --ckpt=C --gguf=G: a ternary model (per-row scales, every matrix in TQ2_0
+    blocks) answers the 200 held-out problems greedily in our code and through llama.cpp; the
+    completions that differ are listed, one JSON line each."""
+    pytest.importorskip('llama_cpp')
+    folder = tmp_path / 'model'
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=2100, n_layer=2, n_embd=256, n_head=4, n_kv_head=2,
+                                    intermediate_size=512, max_seq_len=256, bitnet=True, weight_scale='row'))
+    with torch.no_grad():
+        model.embed_tokens.weight.normal_(0, 1)  # confident logits: few near-ties to break apart
+    model.save_pretrained(str(folder))
+    train_hf_tokenizer('smollm2', str(folder))
+    env = {**os.environ, 'NANOBITNET_CACHE': str(tmp_path / 'cache')}
+    gguf = tmp_path / 'm.gguf'
+    r = subprocess.run([sys.executable, 'export.py', f'--ckpt={folder}', f'--gguf={gguf}'], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, 'rl.py', f'--ckpt={folder}', f'--gguf={gguf}', '--max_new_tokens=8'],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    summary, differing = lines[0], lines[1:]
+    assert summary['of'] == 200 and summary['same_completions'] >= 190
+    assert len(differing) == 200 - summary['same_completions']
+    assert all(d['ours'] != d['llama_cpp'] for d in differing)
+    assert set(summary['ours']) == set(summary['llama_cpp']) == {'heldout_correct_answer', 'heldout_format'}
+
+    r = subprocess.run([sys.executable, 'rl.py', f'--ckpt={folder}', f'--gguf={tmp_path / "none.gguf"}'],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and r.stderr.count('\n') == 1 and 'export.py' in r.stderr
