@@ -37,8 +37,9 @@ from model import Attention, MLP
 
 
 def llama_cpp_model(path, max_len=2048):
-    """A GGUF file opened by llama.cpp (llama-cpp-python), its context cut to max_len,
-    keeping the logits of every position it evaluates (`scores`)."""
+    """(llama.cpp's model of a GGUF file, context length): llama-cpp-python's, keeping the
+    logits of every position it evaluates (`scores`), its context the model's cut to
+    max_len (llama.cpp itself rounds the context it allocates up)."""
     try:
         import llama_cpp
     except ImportError:
@@ -47,14 +48,15 @@ def llama_cpp_model(path, max_len=2048):
     meta = llama_cpp.Llama(path, vocab_only=True, verbose=False).metadata
     arch = meta['general.architecture']
     n_ctx = min(int(meta[f'{arch}.context_length']), max_len)
-    return llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
-                           logits_all=True, verbose=False)
+    llm = llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
+                          logits_all=True, verbose=False)
+    return llm, n_ctx
 
 
 def llama_cpp_forward(path, max_len=2048):
     """(forward, context length) for a GGUF file run by llama.cpp: each row is evaluated
     from an empty cache, and the logits of every position are returned."""
-    llm = llama_cpp_model(path, max_len)
+    llm, n_ctx = llama_cpp_model(path, max_len)
 
     def forward(x):
         rows = []
@@ -63,7 +65,7 @@ def llama_cpp_forward(path, max_len=2048):
             llm.eval(ids)
             rows.append(torch.from_numpy(llm.scores[:len(ids)].copy()))
         return torch.stack(rows)
-    return forward, llm.n_ctx()
+    return forward, n_ctx
 
 
 def llama_cpp_greedy(path, max_len=2048):
@@ -71,7 +73,7 @@ def llama_cpp_greedy(path, max_len=2048):
     stop_ids, vocab) -> the new token ids, each the argmax of llama.cpp's logits over the
     tokenizer's `vocab` ids (no sampler), ending at the first stop id, which it keeps,
     as `rollout` does."""
-    llm = llama_cpp_model(path, max_len)
+    llm, _ = llama_cpp_model(path, max_len)
 
     def answer(ids, max_new_tokens, stop_ids, vocab):
         llm.reset()

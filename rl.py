@@ -107,7 +107,8 @@ def arithmetic_sft_file():
         rows = [json.loads(line) for line in f]
     with open(path + '.tmp', 'w') as f:
         for row in rows:
-            f.write(json.dumps({'prompt': row['prompt'], 'response': '#### ' + row['answer']}) + '\n')
+            chat = {'prompt': row['prompt'], 'response': '#### ' + row['answer']}
+            f.write(json.dumps(chat) + '\n')
     os.replace(path + '.tmp', path)
     return path
 
