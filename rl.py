@@ -382,8 +382,11 @@ def main(argv):
     except (OSError, ValueError, RuntimeError, KeyError) as e:
         raise SystemExit(f"error: {e}") from None
     if c['gguf']:
+        try:  # first: a file llama.cpp cannot load fails before any of our work
+            theirs = scorer.gguf_texts(c['gguf'])
+        except (ImportError, ValueError) as e:
+            raise SystemExit(f"error: {c['gguf']}: {e}") from None
         ours = scorer.heldout_texts(model)
-        theirs = scorer.gguf_texts(c['gguf'])
         same = sum(a == b for a, b in zip(ours, theirs))
         print(json.dumps(dict(ours=scorer.mean_scores(ours), llama_cpp=scorer.mean_scores(theirs),
                               same_completions=same, of=len(ours))), flush=True)

@@ -101,3 +101,7 @@ def test_rl_scores_a_gguf_export_beside_its_checkpoint(tmp_path):
     r = subprocess.run([sys.executable, 'rl.py', f'--ckpt={folder}', f'--gguf={tmp_path / "none.gguf"}'],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and r.stderr.count('\n') == 1 and 'export.py' in r.stderr
+    (tmp_path / 'bad.gguf').write_bytes(b'GGUF' + bytes(60))  # a damaged file
+    r = subprocess.run([sys.executable, 'rl.py', f'--ckpt={folder}', f'--gguf={tmp_path / "bad.gguf"}'],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and r.stderr.strip().count('\n') == 0 and 'bad.gguf' in r.stderr, r.stderr
