@@ -638,6 +638,8 @@ def run_data(dataset, prepare, mixture, remix_interval, enc, tokenizer_name, tok
         setup_data(dataset, prepare['files'], tokenizer_name, prepare['format'],
                    prepare['text_field'], n_vocab=enc.n_vocab, tokenizer_file=tokenizer_file)
         train_data, val_data = mixture or dataset, dataset
+        # the val split, first read at the first evaluation: refused now if it cannot be
+        Loader(val_data, 1, block_size, 'val')
     else:
         train_data, val_data = offline_corpus(enc)
     pairs = None

