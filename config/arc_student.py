@@ -5,8 +5,8 @@
 # which one is right. What the student learns of the answers is the teacher's
 # distributions on those texts. BitDistill (Wu et al. 2025), on every token:
 # - for the first quarter of the steps, block-wise reconstruction alone;
-# - then logits KD (T = 1: the scorer sums the log-probabilities at T = 1) and the
-#   attention relations of the last layer. No CE: the texts hold the wrong choices too.
+# - then logits KD (T = 5) and the attention relations of the last layer, as
+#   config/arith_student.py. No CE: the texts hold the wrong choices too.
 # The student has seen the test split's questions; it is scored on the 570 questions of
 # the validation split, which no training text holds (tests/test_task_conversion.py).
 #   python train.py config/arc_student.py --init_from=DIR --teacher=DIR   # offline: a folder
@@ -21,15 +21,15 @@ weight_scale = 'row'
 dataset = 'data/arc-easy-test-smollm2'
 prepare = dict(files={'train': choice_texts_file('arc_easy', 'test_rc_5shot')},
                format='jsonl')
-objectives = {'block': {}, 'kd': {'temperature': 1.0}, 'attn': {'layer': -1, 'heads': 4}}
+objectives = {'block': {}, 'kd': {'temperature': 5.0}, 'attn': {'layer': -1, 'heads': 4}}
 curriculum = [(0.25, {'block': 1.0}), (1.0, {'kd': 1.0, 'attn': 1.0})]
-batch_size = 8
+batch_size = 16
 block_size = 96
-max_steps = 400        # 307,200 tokens, about 0.9 of the test split's choice texts
+max_steps = 200        # 307,200 tokens, about 0.9 of the test split's choice texts
 warmup_steps = 10
 learning_rate = 1e-3
 min_lr = 1e-4
 weight_decay = 0.0
-eval_interval = 100
+eval_interval = 50
 eval_iters = 4
 sample = dict(tokens=0)
