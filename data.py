@@ -264,6 +264,15 @@ def write_documents(folder, documents, tokenizer, shard_tokens=10 ** 8):
     return counts
 
 
+def _stop(pool):
+    """Let the workers finish their units and exit. Left to `with`, terminate() can
+    kill a worker while the pool's own thread still sends it its stop signal, and then
+    wait on that thread for ever (CPython issue 96995). Not on Ctrl-C: the workers got
+    it too, their units are lost, and join() would wait for them; `with` kills them."""
+    pool.close()
+    pool.join()
+
+
 def prepare(files, folder, tokenizer='bytes', fmt='text', val_files=(), val_every=100,
             text_field='text', shard_tokens=10 ** 8, workers=None, unit=UNIT):
     """Tokenize `files` into shards folder/train_*.bin and val_*.bin (and *.mask for
@@ -291,17 +300,22 @@ def prepare(files, folder, tokenizer='bytes', fmt='text', val_files=(), val_ever
     ctx = mp.get_context('fork')
     with ctx.Pool(workers, _start_worker, (tokenizer, fmt, text_field)) as pool:
         units = _units(files, val_files, val_every, fmt, unit)
-        # keep a few units in flight: the workers stay busy and memory stays bounded
-        for work in itertools.chain(units, [None]):
-            if work:
-                jobs.append(pool.apply_async(_tokenize, (work,)))
-            while jobs and (len(jobs) > 2 * workers or work is None):
-                split, n, tokens, mask = jobs.popleft().get()
-                writers[split].add(tokens, mask)
-                chars += n
-                done = ', '.join(f"{w.shards * shard_tokens + w.n:,} {s}"
-                                 for s, w in writers.items())
-                show(chars, ' of text, ' + done + ' tokens')
+        try:
+            # keep a few units in flight: the workers stay busy and memory stays bounded
+            for work in itertools.chain(units, [None]):
+                if work:
+                    jobs.append(pool.apply_async(_tokenize, (work,)))
+                while jobs and (len(jobs) > 2 * workers or work is None):
+                    split, n, tokens, mask = jobs.popleft().get()
+                    writers[split].add(tokens, mask)
+                    chars += n
+                    done = ', '.join(f"{w.shards * shard_tokens + w.n:,} {s}"
+                                     for s, w in writers.items())
+                    show(chars, ' of text, ' + done + ' tokens')
+        except Exception:
+            _stop(pool)
+            raise
+        _stop(pool)
     show(chars, last=True)
     counts = {}
     for split, w in writers.items():
