@@ -6,6 +6,7 @@ bench.py train    # a training step: ours, the fake-quant reference, fp32, trans
                   # eager and compiled
 bench.py train_against --against=REV  # the ~100M step / fp twin, here and at REV, in turns
 bench.py convert  # config/smollm.py's step run by train.py: ternary vs fp twin, per phase
+bench.py head     # a distillation micro-step: the logits at the counted targets vs everywhere
 bench.py kernels_per_layer  # kernels (CUDA) or ops (CPU) one BitLinear runs forward + backward
 bench.py moe      # a mixture-of-experts training step against top_k and n_experts
 bench.py curve    # 200 training steps, int8 path vs fake-quant reference (minutes)
@@ -45,6 +46,8 @@ from engine import GraphDecoder, fuse, generate, profile_token, weight_bytes
 from eval import heldout
 from gguf_export import gguf_vocab, save_gguf
 from model import ModelConfig, Transformer
+from objectives import IGNORE, ObjectiveManager
+from teachers import LocalTeacher
 from tokenizer import get_tokenizer
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -649,6 +652,66 @@ def bench_kernels_per_layer():
         print(f"{name:>26} {count(fn, same_input):5d}")
 
 
+class EveryLogit(nn.Module):
+    """A model that makes the logits at every position and then keeps those a loss reads:
+    the head's cost had the objectives not asked for the counted targets' logits only."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.config, self.layers = model.config, model.layers  # what the objectives read
+        self.embed_tokens = model.embed_tokens
+
+    def forward(self, idx, keep=None, **kw):
+        logits = self.model(idx, **kw)
+        return logits if keep is None else logits[keep]
+
+
+def bench_head(rounds=2):
+    """config/arith_student.py's training micro-step, forward and backward (16 x 96
+    tokens; its student and fp teacher in SmolLM2-135M's shape, random weights): the
+    objectives making the logits at the counted targets only (the task's 9%; none in
+    block-wise reconstruction) against at every position, per phase; and the CE with
+    every target counted (pretraining: the same work both ways)."""
+    shape = dict(SHAPES['SmolLM2-135M'], max_seq_len=96)
+    torch.manual_seed(0)
+    student = Transformer(ModelConfig(**shape, bitnet=True, weight_scale='row')).to(device)
+    teacher = Transformer(ModelConfig(**shape)).to(device)
+    x = torch.randint(49152, (16, 96), generator=torch.Generator().manual_seed(0))
+    answers = torch.rand(16, 96, generator=torch.Generator().manual_seed(1)) < 0.09
+    task = {'x': x.to(device), 'y': torch.where(answers, x, IGNORE).to(device)}
+    every = {'x': x.to(device), 'y': x.to(device)}
+    phases = {'CE + KD + attn': ({'ce': 1.0, 'kd': 1.0, 'attn': 1.0}, task),
+              'block': ({'block': 1.0}, task),
+              'CE, all counted': ({'ce': 1.0}, every)}
+    objectives = {'block': {}, 'ce': {}, 'kd': {'temperature': 5.0},
+                  'attn': {'layer': -1, 'heads': 4}}
+
+    def micro_step(model, teacher, weights, batch):
+        settings = {name: objectives[name] for name in weights}
+        manager = ObjectiveManager.from_settings(settings, [(1.0, weights)], 'switch',
+                                                 teacher, student)
+        with kernels.holding_weights():
+            loss, _ = manager(model, batch, 0.5)
+            loss.backward()
+        student.zero_grad(set_to_none=True)
+
+    cases = {}
+    for phase, (weights, batch) in phases.items():
+        cases[phase, 'counted only'] = (micro_step, [(student, LocalTeacher(teacher, device),
+                                                      weights, batch)])
+        cases[phase, 'every position'] = (micro_step, [(EveryLogit(student),
+                                                        LocalTeacher(EveryLogit(teacher), device),
+                                                        weights, batch)])
+    ms = timeit(cases, rounds, 1)
+    counted = answers.float().mean().item()
+    print(f"\nconfig/arith_student.py's micro-step, 16 x 96 tokens, {counted:.0%} counted, "
+          f"best of {rounds}: the logits where a loss reads them vs at every position")
+    for phase in phases:
+        only, full = ms[phase, 'counted only'], ms[phase, 'every position']
+        print(f"{phase:>16}: {only:8.0f} ms vs {full:8.0f} ms ({full / only:.2f}x)")
+
+
 def bench_moe(rounds=4):
     """A training step of config/moe.py's ternary model against top_k and n_experts."""
     shapes = [(8, 1), (8, 2), (8, 4), (4, 2), (16, 2), (32, 2)]  # (n_experts, top_k)
@@ -766,7 +829,7 @@ if __name__ == '__main__':
     sections = dict(kernels=bench_matmul,
                     decode=bench_decode_cuda if device == 'cuda' else bench_decode,
                     train=bench_train, train_against=bench_train_against,
-                    convert=bench_convert,
+                    convert=bench_convert, head=bench_head,
                     kernels_per_layer=bench_kernels_per_layer, moe=bench_moe,
                     curve=bench_curve, distill=bench_distill, upload=bench_upload)
     which, options = words(sys.argv[1:], allowed=sections)

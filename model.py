@@ -25,7 +25,7 @@ ternary linears) BitNet b1.58 2B4T:
 - The forward takes a KV cache and a position for inference (engine.py), a mask of the
   real tokens of left-padded rows (batched sampling for RL), and fills a `feats` dict
   with what distillation and the router losses ask for (objectives.py); it always
-  returns the logits.
+  returns the logits, in training only where a loss reads them.
 """
 import math
 from dataclasses import dataclass
@@ -309,8 +309,7 @@ class Transformer(nn.Module):
         self.apply(init_weights)
         for name, p in self.named_parameters():
             if name.endswith(('o_proj.weight', 'down_proj.weight')):
-                # GPT-2's scaled init: each residual branch adds variance,
-                # so shrink the last layer
+                # GPT-2's scaled init: shrink each residual branch's last layer (each adds variance)
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
         if cfg.bitnet:
             self.to_bitnet()
@@ -372,14 +371,15 @@ class Transformer(nn.Module):
     def num_params(self):
         return sum(p.numel() for p in self.parameters())  # tied weights are counted once
 
-    def forward(self, idx, cache=None, pos=0, causal=True, feats=None, valid=None):
-        """Logits (B, T, vocab), always. Distillation asks for more through `feats`, a
-        dict filled in place: feats['hidden'] (a list) gets every block's output,
-        feats['qkv'] (a list) gets the q, k and v projections of block
-        feats['qkv_layer'], feats['router'] (a list) gets every MoE layer's router
-        logits (B * T, n_experts). feats['inputs'] (a list), when given, is each block's
-        input in place of the previous block's output: teacher forcing, for block-wise
-        reconstruction. `valid` (B, pos + T), True at real tokens, keeps the
+    def forward(self, idx, cache=None, pos=0, causal=True, feats=None, valid=None, keep=None):
+        """Logits (B, T, vocab), or (N, vocab) at the N positions `keep` (B, T) marks: the
+        head is a small model's widest layer: training asks only where a loss reads them.
+        Distillation asks for more through `feats`, a dict filled in place: feats['hidden']
+        (a list) gets every block's output, feats['qkv'] (a list) gets the q, k and v
+        projections of block feats['qkv_layer'], feats['router'] (a list) gets every MoE
+        layer's router logits (B * T, n_experts). feats['inputs'] (a list), when given, is
+        each block's input in place of the previous block's output: teacher forcing, for
+        block-wise reconstruction. `valid` (B, pos + T), True at real tokens, keeps the
         padding of left-padded rows out of every causal attention."""
         B, T = idx.shape
         if pos + T > self.config.max_seq_len:
@@ -409,7 +409,8 @@ class Transformer(nn.Module):
                 feats['hidden'].append(x)
             if router:
                 feats['router'] += router
-        return (self.head8 or self.lm_head)(self.norm(x))  # (B, T, vocab)
+        x = x if keep is None else x[keep]  # (N, C): only where a loss reads the logits
+        return (self.head8 or self.lm_head)(self.norm(x))
 
     def checkpoint_activations(self, on=True):
         """Keep only each block's input in training; backward recomputes the rest (less

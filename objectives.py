@@ -30,9 +30,10 @@ The losses:
                on by default for an MoE student
 
 This file needs only torch and a model called like model.py's Transformer:
-model(idx, causal=..., feats=...) returns the logits and fills `feats`. A teacher
-(teachers.py) answers teacher(x, y, hidden, qkv_layer) with a dict: a local one
-(`local = True`) its logits and features, a remote one its top-k logprobs.
+model(idx, causal=..., feats=..., keep=...) returns the logits (at the `keep` positions)
+and fills `feats`. A teacher (teachers.py) answers teacher(x, y, hidden, qkv_layer, keep)
+with a dict: a local one (`local = True`) its logits and features, a remote one its top-k
+logprobs.
 """
 import math
 
@@ -44,15 +45,19 @@ IGNORE = -100  # a target that does not count (padding, SFT prompts)
 
 class Objective:
     """A loss. `features` says what it needs from the shared forward pass of the student
-    (and of the teacher, when `needs_teacher`); an objective with `own_forward` instead
-    runs the model itself, on inputs it makes (masked diffusion, preference pairs)."""
+    (and of the teacher, when `needs_teacher`); `reads_logits`, whether it reads their
+    logits, which the shared pass then makes at the counted targets only. An objective
+    with `own_forward` instead runs the model itself, on inputs it makes (masked
+    diffusion, preference pairs)."""
     needs_teacher = False
     own_forward = False
+    reads_logits = False
     features = {}  # e.g. {'hidden': True, 'qkv_layer': 2}
 
     def loss(self, batch, s, t):
-        """s, t: {'logits', 'hidden', 'qkv'} of student and teacher.
-        Returns a scalar."""
+        """s, t: {'logits', 'hidden', 'qkv'} of student and teacher, the logits (N,
+        vocab) at the N counted targets, batch['y'] (N,) those targets. Returns a
+        scalar."""
         raise NotImplementedError
 
 
@@ -78,13 +83,14 @@ class LeanCrossEntropy(torch.autograd.Function):
 
 def ce_loss(logits, y, reduction='mean'):
     """Cross-entropy over the counted targets (IGNORE marks the rest): their mean or
-    their sum. With none counted (an SFT window holding only a prompt) the mean is 0,
-    with a zero gradient, instead of 0/0."""
-    loss = LeanCrossEntropy.apply(logits.float().flatten(0, 1), y.flatten())
+    their sum. logits (..., vocab), y (...). With none counted (an SFT window holding
+    only a prompt) the mean is 0, with a zero gradient, instead of 0/0."""
+    loss = LeanCrossEntropy.apply(logits.float().flatten(0, -2), y.flatten())
     return loss if reduction == 'sum' else loss / (y != IGNORE).sum().clamp(min=1)
 
 
 class CrossEntropy(Objective):
+    reads_logits = True
 
     def loss(self, batch, s, t):
         return ce_loss(s['logits'], batch['y'])
@@ -101,7 +107,7 @@ class LogitsKD(Objective):
     """Forward KL from the teacher's distribution. A remote teacher sends only its top-k
     logprobs: renormalise those over the k tokens (after dividing by T) and compare with
     the student's log-softmax over the full vocabulary, taken at the same k token ids."""
-    needs_teacher = True
+    needs_teacher = reads_logits = True
 
     def __init__(self, temperature=5.0):
         self.T = temperature
@@ -111,7 +117,7 @@ class LogitsKD(Objective):
         if 'logits' in t:
             per_token = kd_per_token(s['logits'], t['logits'], self.T)
         else:
-            log_pt = F.log_softmax(t['topk_logprobs'].float() / self.T, -1)  # (B, T, k)
+            log_pt = F.log_softmax(t['topk_logprobs'].float() / self.T, -1)  # (N, k)
             log_ps_all = F.log_softmax(s['logits'].float() / self.T, -1)
             log_ps = log_ps_all.gather(-1, t['topk_ids'])
             # 0 where fewer than k logprobs came (-inf padding): 0 * log 0 counts as 0
@@ -216,9 +222,10 @@ class BlockReconstruction(Objective):
 
     def run(self, model, teacher, batch):
         x = batch['x']
-        t = teacher(x, batch['y'], inputs=True)
+        none = torch.zeros_like(x, dtype=torch.bool)  # no logits: no loss reads them
+        t = teacher(x, batch['y'], inputs=True, keep=none)
         feats = {'inputs': t['inputs'], 'hidden': []}
-        model(x, feats=feats)
+        model(x, feats=feats, keep=none)
         total = 0
         for s_out, t_in, t_out in zip(feats['hidden'], t['inputs'], t['hidden']):
             change = (t_out.float() - t_in.float()).pow(2).mean()
@@ -482,16 +489,20 @@ class CurriculumScheduler:
                 for n in self.names}
 
 
-def run_model(model, x, hidden=False, qkv_layer=None, valid=None, router=False):
-    """One forward pass: {'logits'}, plus every block's output ('hidden'), the q, k,
-    v of one block ('qkv') and every MoE layer's router logits ('router') when asked
-    for. `valid` marks the real tokens of left-padded rows (GRPO's rollouts)."""
+def run_model(model, x, hidden=False, qkv_layer=None, valid=None, router=False,
+              keep=None):
+    """One forward pass: {'logits'} (at the `keep` positions, when given), plus every
+    block's output ('hidden'), the q, k, v of one block ('qkv') and every MoE layer's
+    router logits ('router') when asked for. `valid` marks the real tokens of
+    left-padded rows (GRPO's rollouts)."""
     feats = {'hidden': []} if hidden else {}
     if qkv_layer is not None:
         feats.update(qkv=[], qkv_layer=qkv_layer)
     if router:
         feats['router'] = []
     kw = {} if valid is None else {'valid': valid.to(next(model.parameters()).device)}
+    if keep is not None:
+        kw['keep'] = keep
     logits = model(x, feats=feats, **kw)
     asked = ('hidden', 'qkv', 'router')
     return {'logits': logits, **{k: feats[k] for k in asked if k in feats}}
@@ -500,7 +511,8 @@ def run_model(model, x, hidden=False, qkv_layer=None, valid=None, router=False):
 class ObjectiveManager:
     """Runs one training micro-step's objectives: one shared student forward with the
     union of the features the active objectives want, one teacher forward if any of them
-    needs it, each own-forward objective, and the weighted sum."""
+    needs it, each own-forward objective, and the weighted sum. The shared forwards make
+    the logits at the counted targets only, and none when no objective reads them."""
 
     def __init__(self, objectives, curriculum, teacher=None, n_layer=None):
         self.objectives, self.curriculum, self.teacher = objectives, curriculum, teacher
@@ -573,14 +585,19 @@ class ObjectiveManager:
         hidden, layer = want.get('hidden', False), want.get('qkv_layer')
         losses = {}
         if shared:
-            s = run_model(model, batch['x'], hidden, layer, router=want.get('router', False))
+            keep = batch['y'] != IGNORE
+            if not any(o.reads_logits for o in shared):
+                keep = torch.zeros_like(keep)
+            router = want.get('router', False)
+            s = run_model(model, batch['x'], hidden, layer, router=router, keep=keep)
             t = None
             if any(o.needs_teacher for o in shared):
                 t_layer = want.get('teacher_qkv_layer')
-                t = self.teacher(batch['x'], batch['y'], hidden, t_layer)
+                t = self.teacher(batch['x'], batch['y'], hidden, t_layer, keep=keep)
+            kept = dict(batch, y=batch['y'][keep])
             for n, o in active.items():
                 if not o.own_forward:
-                    losses[n] = o.loss(batch, s, t)
+                    losses[n] = o.loss(kept, s, t)
         for n, o in active.items():
             if o.own_forward:
                 losses[n] = o.run(model, self.teacher, batch)

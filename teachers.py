@@ -35,12 +35,14 @@ class LocalTeacher:
         self.n_layer = len(model.layers)
 
     @torch.no_grad()
-    def __call__(self, x, y, hidden=False, qkv_layer=None, valid=None, inputs=False):
-        """{'logits'}, plus 'hidden' (every block's output), 'qkv' (one block's) and
-        'inputs' (every block's input: the embeddings, then each block's output but the
-        last one's) when asked for."""
+    def __call__(self, x, y, hidden=False, qkv_layer=None, valid=None, inputs=False,
+                 keep=None):
+        """{'logits'} (at the `keep` positions, when given), plus 'hidden' (every block's
+        output), 'qkv' (one block's) and 'inputs' (every block's input: the embeddings,
+        then each block's output but the last one's) when asked for."""
         here = x.to(self.device)
-        out = run_model(self.model, here, hidden or inputs, qkv_layer, valid)
+        keep = None if keep is None else keep.to(self.device)
+        out = run_model(self.model, here, hidden or inputs, qkv_layer, valid, keep=keep)
         if inputs:
             out['inputs'] = [self.model.embed_tokens(here)] + out['hidden'][:-1]
         back = {}
@@ -151,8 +153,8 @@ class RemoteTeacher:
                          f"({error}); check that vLLM serves {self.model!r} there, with "
                          f"the student's tokenizer and --max-logprobs >= {self.top_k}")
 
-    def __call__(self, x, y, hidden=False, qkv_layer=None):
-        """Top-k logprobs only
+    def __call__(self, x, y, hidden=False, qkv_layer=None, keep=None):
+        """Top-k logprobs only, (B, T, k) or at the `keep` positions (N, k)
         (the manager refuses objectives that want features from a server)."""
         B, T = x.shape
         ids = torch.zeros(B, T, self.top_k, dtype=torch.long)
@@ -163,6 +165,8 @@ class RemoteTeacher:
             for i, (top_ids, top_logprobs) in enumerate(self.post(seq)):
                 ids[b, i] = torch.tensor(top_ids)
                 logprobs[b, i] = torch.tensor(top_logprobs)
+        if keep is not None:
+            ids, logprobs = ids[keep.cpu()], logprobs[keep.cpu()]
         return {'topk_ids': ids.to(x.device), 'topk_logprobs': logprobs.to(x.device)}
 
 

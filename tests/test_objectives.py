@@ -269,6 +269,50 @@ def test_objectives_at_weight_zero_cost_nothing():
     assert student.calls == 2 and teacher_model.calls == 1 and 'loss_kd' in metrics
 
 
+def test_the_head_runs_only_where_a_loss_reads_it():
+    """CE + KD + attention: the head of student and teacher makes only the counted targets' logits, and the
+    losses and every gradient equal those of the full logits masked by hand; block-wise reconstruction and
+    attention alone make none."""
+    student, fp = tiny(bitnet=True), tiny(seed=1)
+    rows = []
+    for model in (student, fp):
+        model.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
+    x = torch.randint(39, (2, 16), generator=torch.Generator().manual_seed(0))
+    y = torch.roll(x, -1, 1)
+    y[:, :5] = IGNORE  # a prompt
+    y[1, 9] = IGNORE
+    counted = y != IGNORE
+    T = 2.0
+    objs = {'ce': CrossEntropy(), 'kd': LogitsKD(temperature=T), 'attn': AttentionRelationKD(layer=1, heads=2)}
+    weights = {'ce': 1.0, 'kd': 0.5, 'attn': 2.0}
+    manager = ObjectiveManager(objs, CurriculumScheduler([(1.0, weights)]), LocalTeacher(fp), n_layer=2)
+    loss, metrics = manager(student, {'x': x, 'y': y}, 0.5)
+    loss.backward()
+    assert rows == [counted.sum().item()] * 2 == [21, 21]
+    got = {n: p.grad.clone() for n, p in student.named_parameters()}
+    student.zero_grad()
+    s_feats, t_feats = {'qkv': [], 'qkv_layer': 1}, {'qkv': [], 'qkv_layer': 1}
+    z_s = student(x, feats=s_feats)
+    with torch.no_grad():
+        z_t = fp(x, feats=t_feats)
+    ce = F.cross_entropy(z_s.flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+    log_ps, log_pt = F.log_softmax(z_s / T, -1), F.log_softmax(z_t / T, -1)
+    kd = (T * T * (log_pt.exp() * (log_pt - log_ps)).sum(-1))[counted].mean()
+    attn = objs['attn'].loss({}, s_feats, t_feats)
+    torch.testing.assert_close(metrics['loss_ce'], ce.detach())
+    torch.testing.assert_close(metrics['loss_kd'], kd.detach())
+    by_hand = ce + 0.5 * kd + 2.0 * attn
+    torch.testing.assert_close(loss, by_hand)
+    by_hand.backward()
+    for n, p in student.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, msg=n)
+    for name, obj in (('block', BlockReconstruction()), ('attn', AttentionRelationKD(layer=1, heads=2))):
+        rows.clear()
+        alone = ObjectiveManager({name: obj}, CurriculumScheduler([(1.0, {name: 1.0})]), LocalTeacher(fp), n_layer=2)
+        alone(student, {'x': x, 'y': y}, 0.5)
+        assert rows == [0, 0], name
+
+
 # ------------------------------------------------------------------ the remote (vLLM) teacher
 
 def vllm_server(model, delay=0.0, malformed=False):
@@ -313,6 +357,9 @@ def test_remote_teacher_matches_local_teacher_at_every_position():
         local = F.log_softmax(LocalTeacher(model)(x, y)['logits'], -1).topk(5)
         assert torch.equal(remote['topk_ids'], local.indices)  # position i of both: the next token's top-5
         assert torch.allclose(remote['topk_logprobs'], local.values, atol=1e-5)
+        keep = y > 20  # the remote teacher's answer at the kept positions only, as the manager asks
+        kept = RemoteTeacher(url, 'tiny', top_k=5)(x, y, keep=keep)
+        assert torch.equal(kept['topk_ids'], local.indices[keep]) and kept['topk_ids'].shape == (keep.sum(), 5)
     finally:
         server.shutdown()
 
