@@ -76,7 +76,8 @@ eval_tasks = []        # zero-shot accuracies (eval.py) at every eval, e.g. ['ar
 wandb_project = ''     # also log to this Weights & Biases project ('': not)
 # data
 # '' is the model's own (init_from's tokenizer.json), else 'bytes' (offline), a tiktoken
-# name ('gpt2'), a tokenizer.json or its directory, or a hub model id
+# name ('gpt2'), a tokenizer.json or its directory (a checkpoint; a run's folder: its
+# newest checkpoint's), or a hub model id
 tokenizer = ''
 dataset = ''           # a folder of token shards (data.py); '' is the offline corpus
 # what dataset is made from when it is not there yet: {'train'/'val': [paths, URLs, hf://
@@ -242,8 +243,11 @@ uploader = Uploader(upload_to, run_id) if upload_to and master else None  # chec
 # (local rank 0). A resume sees the batches it would have seen (data.Batches).
 try:
     own = checkpoint.tokenizer_of(start) if start and not saved else None
+    wanted = tokenizer
+    if checkpoint.checkpoints(tokenizer):  # a run's folder: its newest checkpoint's
+        wanted = checkpoint.latest(tokenizer)
     enc, tokenizer_name, tokenizer_file = run_tokenizer(
-        own, saved['tokenizer'] if saved else '', tokenizer)
+        own, saved['tokenizer'] if saved else '', wanted)
     train_data, val_data, pairs = run_data(dataset, prepare, mixture, remix['interval'],
                                            enc, tokenizer_name, tokenizer_file, dpo_data,
                                            block_size)

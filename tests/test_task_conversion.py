@@ -39,10 +39,12 @@ def test_sft_rows_are_the_training_problems_with_their_answers(tmp_path, monkeyp
     assert not held & {row['prompt'] for row in rows}
 
 
-def test_teacher_then_student_configs_run_two_steps_from_a_tiny_model(tmp_path):
+def test_teacher_student_and_baselines_run_two_steps_from_a_tiny_model(tmp_path):
     """config/arith_teacher.py fine-tunes a tiny fp model (with a ChatML tokenizer) for 2
     steps; config/arith_student.py converts that run to ternary and distils it for 2 steps:
-    block-wise reconstruction, then CE + KD + attention relations."""
+    block-wise reconstruction, then CE + KD + attention relations. Its two baselines run as
+    the docs write them: the CE alone, no teacher, and from random weights with the
+    teacher's run folder as the tokenizer."""
     folder = tmp_path / 'model'
     torch.manual_seed(0)
     Transformer(ModelConfig(vocab_size=2100, n_layer=2, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64,
@@ -70,6 +72,16 @@ def test_teacher_then_student_configs_run_two_steps_from_a_tiny_model(tmp_path):
     assert all(math.isfinite(last[f'loss_{k}']) for k in ('ce', 'kd', 'attn'))
     student = Transformer.from_pretrained(str(tmp_path / 'student' / 'ckpt_0000002'))
     assert student.config.bitnet and student.config.weight_scale == 'row'
+    ce_only = ['--teacher=', "--objectives={'ce': {}}", "--curriculum=[(1.0, {'ce': 1.0})]"]
+    steps = train('config/arith_student.py', tmp_path / 'ce', f'--init_from={teacher}', *ce_only)
+    assert steps[-1]['w_ce'] == 1 and 'loss_block' not in steps[0] and 'loss_kd' not in steps[-1]
+    arch = "--arch={'n_layer': 2, 'n_embd': 32, 'n_head': 4, 'n_kv_head': 2, 'intermediate_size': 64}"
+    steps = train('config/arith_student.py', tmp_path / 'random', '--init_from=scratch', f'--tokenizer={teacher}',
+                  arch, *ce_only)
+    assert math.isfinite(steps[-1]['loss_ce'])
+    assert Transformer.from_pretrained(str(tmp_path / 'random' / 'ckpt_0000002')).config.bitnet
+    tokenizer_file = 'ckpt_0000002/tokenizer.json'  # the teacher's newest checkpoint's, carried
+    assert (tmp_path / 'random' / tokenizer_file).read_bytes() == (teacher / tokenizer_file).read_bytes()
 
 
 def arc_like_wheel(path, questions=6):
