@@ -245,7 +245,7 @@ try:
     own = checkpoint.tokenizer_of(start) if start and not saved else None
     wanted = tokenizer
     if checkpoint.checkpoints(tokenizer):  # a run's folder: its newest checkpoint's
-        wanted = checkpoint.latest(tokenizer)
+        wanted = checkpoint.tokenizer_of(checkpoint.latest(tokenizer)) or tokenizer
     enc, tokenizer_name, tokenizer_file = run_tokenizer(
         own, saved['tokenizer'] if saved else '', wanted)
     train_data, val_data, pairs = run_data(dataset, prepare, mixture, remix['interval'],

@@ -225,6 +225,18 @@ def test_sft_val_loss_counts_only_answers_when_some_val_batches_hold_none(tmp_pa
     assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith('error: no val batch holds a counted')
 
 
+def test_tokenizer_of_a_runs_folder_is_its_newest_checkpoints(tmp_path):
+    """A run's folder as tokenizer= names the tokenizer its newest checkpoint was trained
+    with, here the byte tokenizer, which has no file."""
+    first = tmp_path / 'first'
+    r = run([*TINY, f'--out_dir={first}', '--max_steps=1', '--tokenizer=bytes'])
+    assert r.returncode == 0, r.stderr
+    r = run([*TINY, f'--out_dir={tmp_path / "second"}', '--max_steps=1', f'--tokenizer={first}'])
+    assert r.returncode == 0, r.stderr
+    state = torch.load(tmp_path / 'second' / 'ckpt_0000001' / 'train_state.pt', weights_only=True)
+    assert state['tokenizer'] == 'bytes'
+
+
 def test_init_from_a_directory_trains_with_its_own_tokenizer(tmp_path):
     """A model directory that ships a tokenizer.json is trained (and sampled) with it unless told
     otherwise; another tokenizer that encodes differently is an error, not a silent mismatch."""
