@@ -6,6 +6,7 @@ taking what they use. Read from the source files, so it stays true."""
 import ast
 import os
 import re
+import subprocess
 
 import pytest
 
@@ -267,3 +268,21 @@ def test_each_test_worker_takes_its_share_of_the_cores():
     share = max(1, (os.cpu_count() or 1) // int(os.environ['PYTEST_XDIST_WORKER_COUNT']))
     assert int(os.environ['OMP_NUM_THREADS']) == share
     assert torch.get_num_threads() == share
+
+
+ARCHIVE = re.compile(r'\.(whl|tar|tar\.gz|tgz|tar\.bz2|tar\.xz|zip|gz|xz|bz2|7z|gguf|safetensors|pt|bin)$')
+
+
+def test_the_repository_holds_only_the_project():
+    """No tracked download, archive or weight file, and nothing over 1 MB: a clone gets the
+    project, not what pip or a run left beside it."""
+    tracked = subprocess.run(['git', 'ls-files', '-z'], cwd=ROOT, capture_output=True,
+                             check=True).stdout.decode().split('\0')
+    tracked = [path for path in tracked if path]
+    assert tracked, 'git ls-files listed nothing'
+    archives = [path for path in tracked if ARCHIVE.search(path)]
+    assert not archives, f'archives tracked: {archives}'
+    large = [path for path in tracked
+             if os.path.exists(os.path.join(ROOT, path))
+             and os.path.getsize(os.path.join(ROOT, path)) > 1_000_000]
+    assert not large, f'files over 1 MB tracked: {large}'
