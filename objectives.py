@@ -25,6 +25,9 @@ The losses:
                the teacher as reference
 - `grpo`       group relative policy optimisation (Shao et al. 2024, DeepSeekMath §4) on
                sampled completions scored by reward functions (rl.py makes the batches)
+- `onpolicy`   on-policy distillation (GKD, Agarwal et al. 2024): the teacher's
+               distributions on the student's own completions, reverse KL or a
+               generalized Jensen-Shannon divergence (rl.py samples them as for GRPO)
 - `router`     a mixture of experts' auxiliary losses on its router logits: load
                balance, z-loss, the MSE of the mean squared probabilities (moe.py);
                on by default for an MoE student
@@ -48,10 +51,12 @@ class Objective:
     (and of the teacher, when `needs_teacher`); `reads_logits`, whether it reads their
     logits, which the shared pass then makes at the counted targets only. An objective
     with `own_forward` instead runs the model itself, on inputs it makes (masked
-    diffusion, preference pairs)."""
+    diffusion, preference pairs) or on the model's own completions, when it
+    `reads_rollouts` (batch['rollouts'], rl.py's)."""
     needs_teacher = False
     own_forward = False
     reads_logits = False
+    reads_rollouts = False
     features = {}  # e.g. {'hidden': True, 'qkv_layer': 2}
 
     def loss(self, batch, s, t):
@@ -369,7 +374,7 @@ class GRPO(Objective):
     use is by the model that sampled it, so its log-probabilities then are those at sampling
     time: they are kept in the batch as `old_logp` (rho = 1), for its later uses (rl.py's
     `iterations`). The frozen teacher is the reference (beta > 0 only)."""
-    own_forward = True
+    own_forward = reads_rollouts = True
 
     def __init__(self, beta=0.0, eps_low=0.2, eps_high=0.2, loss_type='grpo'):
         self.beta, self.eps_low, self.eps_high = beta, eps_low, eps_high
@@ -400,6 +405,57 @@ class GRPO(Objective):
                         'entropy': entropy}
             self.metrics = {k: (v * mask).sum() / counted for k, v in measured.items()}
         return loss
+
+
+def kl_per_token(log_p, log_q):
+    """KL(p || q) at every position, from log-probabilities over the last dimension."""
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+def generalized_jsd(z_s, z_t, beta):
+    """GKD's divergence of the student's next-token distribution p_s from the teacher's
+    p_t at every position (Agarwal et al. 2024, §3, eq. 1): beta KL(p_t || m) + (1 - beta)
+    KL(p_s || m) with m = beta p_t + (1 - beta) p_s; at the ends, where that vanishes, the
+    KLs it tends to (up to 1 / beta) are taken instead: beta = 0 the forward KL(p_t || p_s),
+    beta = 1 the reverse KL(p_s || p_t), which seeks the teacher's modes."""
+    log_ps = F.log_softmax(z_s.float(), -1)
+    log_pt = F.log_softmax(z_t.float(), -1)
+    if beta == 0:
+        return kl_per_token(log_pt, log_ps)
+    if beta == 1:
+        return kl_per_token(log_ps, log_pt)
+    mixture = torch.stack((log_pt + math.log(beta), log_ps + math.log(1 - beta)))
+    log_m = torch.logsumexp(mixture, 0)
+    return beta * kl_per_token(log_pt, log_m) + (1 - beta) * kl_per_token(log_ps, log_m)
+
+
+class OnPolicyKD(Objective):
+    """On-policy distillation (Agarwal et al. 2024, "On-Policy Distillation of Language
+    Models: Learning from Self-Generated Mistakes"): logits KD on the student's own
+    completions of training prompts instead of the dataset's answers, so that it learns
+    what the teacher would say after the mistakes it actually makes. batch['rollouts']
+    as GRPO reads it (rl.py samples them, the student as it is now); at each completion
+    token that counts, generalized_jsd(student, teacher, beta), averaged over those
+    tokens. The sampling is not differentiated through (the paper's §3.1)."""
+    own_forward = needs_teacher = reads_rollouts = True
+
+    def __init__(self, beta=1.0):
+        if not 0 <= beta <= 1:
+            raise ValueError(f"onpolicy beta={beta}; use a number from 0 (forward KL) "
+                             f"to 1 (reverse KL)")
+        self.beta = beta
+
+    def run(self, model, teacher, batch):
+        r = batch['rollouts']
+        x, valid, mask = r['x'], r['valid'], r['mask']
+        P = x.size(1) - mask.size(1)  # completion token j is predicted at P - 1 + j
+        keep = torch.zeros_like(valid)
+        keep[:, P - 1:-1] = mask
+        z_s = model(x, valid=valid, keep=keep)  # (N, vocab)
+        with torch.no_grad():
+            z_t = teacher(x, None, valid=valid, keep=keep)['logits']
+        per_token = generalized_jsd(z_s, z_t, self.beta)
+        return per_token.sum() / mask.sum().clamp(min=1)
 
 
 def router_losses(logits, top_k):
@@ -455,7 +511,7 @@ class RouterLoss(Objective):
 OBJECTIVES = {'ce': CrossEntropy, 'kd': LogitsKD, 'attn': AttentionRelationKD,
               'hidden': HiddenStateKD, 'lrc': LRCReconstruction, 'block': BlockReconstruction,
               'diffusion': MaskedDiffusion, 'dpo': DPO, 'grpo': GRPO,
-              'router': RouterLoss}
+              'onpolicy': OnPolicyKD, 'router': RouterLoss}
 
 
 class CurriculumScheduler:
@@ -567,6 +623,14 @@ class ObjectiveManager:
         """The names of the objectives that weigh more than 0 at `progress`."""
         weights = self.curriculum.weights(progress)
         return {n for n in self.objectives if weights.get(n, 0.0) > 0}
+
+    def readers(self):
+        """The names of the objectives that read the model's own completions."""
+        return sorted(n for n, o in self.objectives.items() if o.reads_rollouts)
+
+    def samples(self, progress):
+        """Whether an objective active at `progress` reads the model's own completions."""
+        return any(self.objectives[n].reads_rollouts for n in self.active(progress))
 
     def new_phase(self, step, steps):
         """Whether step `step` of `steps` trains other objectives than the step before:

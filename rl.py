@@ -20,8 +20,12 @@ file makes those batches:
   sample what one uninterrupted process samples.
 
 The offline task: one-step arithmetic problems, bare or told as a story, made from a seed,
-answered as `#### 42` (the GSM8K convention, Cobbe et al. 2021), with 200 held-out problems
-that no training prompt repeats. `python rl.py` writes them and prints where.
+answered as `#### 42` (the GSM8K convention, Cobbe et al. 2021). Its splits are held out by
+value: no (operation, a, b) of val or test is asked in training under any wording, and
+beyond's larger number lies past the training range, so that a score there measures what a
+model computes, not what it was shown. (The first split, 'arithmetic' and
+'arithmetic_heldout', held out by prompt text only, stays for the figures measured on it.)
+`python rl.py` writes them and prints where.
 """
 import inspect
 import json
@@ -44,16 +48,32 @@ from tokenizer import chat_prompt, chat_template, eos_id, get_tokenizer
 
 NAMES = ('Ann', 'Ben', 'Cara', 'Dev', 'Eli', 'Fay', 'Gus', 'Hana', 'Ivan', 'Jo')
 THINGS = ('apples', 'books', 'coins', 'stamps', 'shells', 'pencils', 'cards', 'eggs')
-PROBLEMS = (  # (question, answer) from a name, a thing and two numbers a >= b
-    ('What is {a} + {b}?', lambda a, b: a + b),
-    ('What is {a} - {b}?', lambda a, b: a - b),
-    ('What is {a} times {b}?', lambda a, b: a * b),
-    ('{n} has {a} {t}. {n} gets {b} more {t}. How many {t} does {n} have now?',
-     lambda a, b: a + b),
+OPERATIONS = {'add': lambda a, b: a + b, 'subtract': lambda a, b: a - b,
+              'multiply': lambda a, b: a * b}
+PROBLEMS = (  # (question, operation) from a name, a thing and two numbers a >= b
+    ('What is {a} + {b}?', 'add'),
+    ('What is {a} - {b}?', 'subtract'),
+    ('What is {a} times {b}?', 'multiply'),
+    ('{n} has {a} {t}. {n} gets {b} more {t}. How many {t} does {n} have now?', 'add'),
     ('{n} has {a} {t} and gives {b} of them away. How many {t} does {n} have left?',
-     lambda a, b: a - b),
+     'subtract'),
 )
 INSTRUCTION = 'Give the final answer as a number after ####, like this: #### <number>.'
+
+
+def problem(rng, pairs):
+    """One problem as {'prompt', 'answer'}: a template, then (a, b) from pairs[operation]
+    (every operation's, when pairs is a function: pairs(rng) -> (a, b)), a name, a thing."""
+    question, operation = rng.choice(PROBLEMS)
+    a, b = pairs(rng) if callable(pairs) else rng.choice(pairs[operation])
+    name, thing = rng.choice(NAMES), rng.choice(THINGS)
+    prompt = question.format(n=name, t=thing, a=a, b=b) + '\n' + INSTRUCTION
+    return {'prompt': prompt, 'answer': str(OPERATIONS[operation](a, b))}
+
+
+def small_pair(rng):
+    """Two numbers from 2 to 12, the larger first."""
+    return tuple(sorted((rng.randint(2, 12), rng.randint(2, 12)), reverse=True))
 
 
 def arithmetic_problems(n, seed, exclude=None):
@@ -61,55 +81,122 @@ def arithmetic_problems(n, seed, exclude=None):
     whose prompts are not in it (the training set repeats problems; the held-out one
     does not). One step on numbers from 2 to 12, so that a 135M model often computes
     the answer: what it lacks at first is the answer's format, and reinforcement
-    needs some right answers to reinforce."""
+    needs some right answers to reinforce. These held-out prompts differ from the
+    training ones in wording only: most of their (operation, a, b) are trained on
+    (arithmetic_splits holds problems out by value)."""
     rng = random.Random(seed)
     rows, seen = [], set(exclude or ())
     while len(rows) < n:
-        question, answer = rng.choice(PROBLEMS)
-        a, b = sorted((rng.randint(2, 12), rng.randint(2, 12)), reverse=True)
-        name, thing = rng.choice(NAMES), rng.choice(THINGS)
-        prompt = question.format(n=name, t=thing, a=a, b=b) + '\n' + INSTRUCTION
-        if prompt not in seen:
+        row = problem(rng, small_pair)
+        if row['prompt'] not in seen:
             if exclude is None:
-                seen.add(prompt)
-            rows.append({'prompt': prompt, 'answer': str(answer(a, b))})
+                seen.add(row['prompt'])
+            rows.append(row)
     return rows
 
 
-TASK_FILES = {'arithmetic': 0, 'arithmetic_heldout': 1}  # names that need no file
-
-
 def arithmetic_files(n_train=5000, n_heldout=200):
-    """The task's train.jsonl and heldout.jsonl, made once in the cache."""
+    """The first split's train.jsonl and heldout.jsonl, made once in the cache."""
     folder = os.path.join(cache_dir(), 'arithmetic')
     paths = [os.path.join(folder, f'{split}.jsonl') for split in ('train', 'heldout')]
     if all(os.path.exists(p) for p in paths):
         return paths
-    os.makedirs(folder, exist_ok=True)
     heldout = arithmetic_problems(n_heldout, seed=1)
     train = arithmetic_problems(n_train, seed=0, exclude={r['prompt'] for r in heldout})
     for path, rows in zip(paths, (train, heldout)):
-        with open(path + '.tmp', 'w') as f:
-            f.writelines(json.dumps(row) + '\n' for row in rows)
-        os.replace(path + '.tmp', path)
+        write_rows(path, rows)
     return paths
 
 
+def write_rows(path, rows):
+    """A jsonl file, written whole or not at all."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + '.tmp', 'w') as f:
+        f.writelines(json.dumps(row) + '\n' for row in rows)
+    os.replace(path + '.tmp', path)
+
+
+def sft_rows(rows):
+    """Problems as chat rows {prompt, response: '#### <answer>'}: the gold answers."""
+    return [{'prompt': row['prompt'], 'response': '#### ' + row['answer']} for row in rows]
+
+
 def arithmetic_sft_file():
-    """The training problems as chat rows {prompt, response: '#### <answer>'}, made once
-    beside them: the gold answers a model is fine-tuned on (config/arith_teacher.py) and
-    the ternary students' cross-entropy (config/arith_student.py)."""
+    """The first split's training problems as chat rows (sft_rows), made once beside them."""
     train, _ = arithmetic_files()
     path = os.path.join(os.path.dirname(train), 'sft.jsonl')
-    if os.path.exists(path):
-        return path
-    with open(train) as f:
-        rows = [json.loads(line) for line in f]
-    with open(path + '.tmp', 'w') as f:
-        for row in rows:
-            chat = {'prompt': row['prompt'], 'response': '#### ' + row['answer']}
-            f.write(json.dumps(chat) + '\n')
-    os.replace(path + '.tmp', path)
+    if not os.path.exists(path):
+        with open(train) as f:
+            write_rows(path, sft_rows([json.loads(line) for line in f]))
+    return path
+
+
+# the splits held out by value: every (operation, a, b) with 12 >= a >= b >= 2 belongs to
+# one of train, val and test; beyond's larger number is past 12, so no training fact has it;
+# wide's is past beyond's: prompts to distil on (the teacher's answers, not the gold ones)
+# that hold no fact of val, test or beyond
+SPLIT_FACTS = {'test': 0.25, 'val': 0.15}  # the share of each operation's 66 pairs
+SPLIT_SIZES = {'train': 5000, 'val': 200, 'test': 200, 'beyond': 200, 'wide': 5000}
+LARGER = {'beyond': (13, 20), 'wide': (21, 50)}  # the larger number; the smaller from 2 up
+
+
+def arithmetic_facts(seed=0):
+    """{split: {operation: [(a, b), ...]}}: each operation's pairs 12 >= a >= b >= 2,
+    shuffled from `seed` and dealt to test, val and train by SPLIT_FACTS."""
+    pairs = [(a, b) for a in range(2, 13) for b in range(2, a + 1)]
+    rng = random.Random(seed)
+    facts = {'train': {}, 'val': {}, 'test': {}}
+    for operation in OPERATIONS:
+        mine = rng.sample(pairs, len(pairs))
+        n_test, n_val = (round(SPLIT_FACTS[s] * len(pairs)) for s in ('test', 'val'))
+        facts['test'][operation] = mine[:n_test]
+        facts['val'][operation] = mine[n_test:n_test + n_val]
+        facts['train'][operation] = mine[n_test + n_val:]
+    return facts
+
+
+def larger_pair(low, high):
+    """pairs(rng) -> (a, b): a from low to high, b from 2 up to a."""
+    def pair(rng):
+        a = rng.randint(low, high)
+        return a, rng.randint(2, a)
+    return pair
+
+
+def arithmetic_splits():
+    """{split: path} of the task held out by value, made once in the cache: train and
+    wide (SPLIT_SIZES problems, repeats allowed), val, test and beyond (distinct prompts),
+    on the facts of arithmetic_facts or past 12 (LARGER); and the chat rows sft_train and
+    sft_val (sft_rows) that the teacher and the students train on."""
+    folder = os.path.join(cache_dir(), 'arithmetic_splits')
+    names = [*SPLIT_SIZES, 'sft_train', 'sft_val']
+    paths = {name: os.path.join(folder, f'{name}.jsonl') for name in names}
+    if all(os.path.exists(p) for p in paths.values()):
+        return paths
+    facts = arithmetic_facts()
+    for i, (split, n) in enumerate(SPLIT_SIZES.items()):
+        rng = random.Random(100 + i)
+        pairs = larger_pair(*LARGER[split]) if split in LARGER else facts[split]
+        rows, seen = [], set()
+        while len(rows) < n:
+            row = problem(rng, pairs)
+            if split in ('train', 'wide') or row['prompt'] not in seen:
+                seen.add(row['prompt'])
+                rows.append(row)
+        write_rows(paths[split], rows)
+        if split in ('train', 'val'):
+            write_rows(paths[f'sft_{split}'], sft_rows(rows))
+    return paths
+
+
+def task_file(path):
+    """A prompt file's path, the offline task's files by name: 'arithmetic' and
+    'arithmetic_heldout' (the first split), 'arithmetic_<split>' (arithmetic_splits)."""
+    if path in ('arithmetic', 'arithmetic_heldout'):
+        return arithmetic_files()[path == 'arithmetic_heldout']
+    split = path.removeprefix('arithmetic_')
+    if path != split and split in SPLIT_SIZES:
+        return arithmetic_splits()[split]
     return path
 
 
@@ -152,8 +239,7 @@ def read_prompts(path, enc, rewards, room):
     """The rows of a prompt file, each with its prompt's tokens under 'tokens'. Raises
     ValueError naming what is missing: a reward's column, or room in the context
     (`room`: the model's context minus the completions' length)."""
-    if path in TASK_FILES:
-        path = arithmetic_files()[TASK_FILES[path]]
+    path = task_file(path)
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     if not rows:
@@ -196,7 +282,8 @@ def all_ranks_done(done):
 
 class Rollouts:
     """A step's GRPO batches from the prompt file `path`, each prompt sampled `group`
-    times; and the greedy scores of the prompts of `heldout` (a file, or '' for none).
+    times (once for on-policy distillation, objectives.OnPolicyKD); and the greedy
+    scores of the prompts of `heldout` (a file, or '' for none).
     Prompts and completions must fit the model's `context`. How many prompts a
     micro-batch holds and how many micro-batches a step has are the trainer's, given
     at every step."""
@@ -204,8 +291,8 @@ class Rollouts:
     def __init__(self, path, heldout, enc, context, seed=0, rank=0, world_size=1,
                  sync=False, group=8, max_new_tokens=128, temperature=1.0, top_p=1.0,
                  rewards=('correct_answer',), scale_rewards='group', iterations=1):
-        if group < 2:
-            raise ValueError(f"group={group}: GRPO compares at least 2 completions")
+        if group < 1:
+            raise ValueError(f"grpo.group={group}; set it to 1 or more completions a prompt")
         room = context - max_new_tokens
         self.rows = read_prompts(path, enc, rewards, room)
         self.heldout = read_prompts(heldout, enc, rewards, room) if heldout else []
@@ -222,9 +309,17 @@ class Rollouts:
         self.order = torch.randperm(len(self.rows), generator=shuffle)
 
     @classmethod
-    def from_settings(cls, grpo, enc, context, seed=0, rank=0, world_size=1, sync=False):
+    def from_settings(cls, grpo, readers, enc, context, seed=0, rank=0, world_size=1,
+                      sync=False):
         """A run's rollouts from train.py's `grpo` settings (data, heldout and the
-        sampling's keywords), or None when they name no data."""
+        sampling's keywords), or None when they name no data; `readers`, the names of
+        the objectives that will read them, each checked against the settings."""
+        if readers and not grpo['data']:
+            raise ValueError(f"objective {readers[0]!r} trains on the model's completions "
+                             f"of prompts; set --grpo.data to a prompt file")
+        if 'grpo' in readers and grpo['group'] < 2:
+            raise ValueError(f"grpo.group={grpo['group']}: GRPO compares at least 2 "
+                             f"completions of a prompt; set --grpo.group=2 or more")
         if not grpo['data']:
             return None
         kwargs = {k: v for k, v in grpo.items() if k not in ('data', 'heldout')}
@@ -298,7 +393,9 @@ class Rollouts:
         scores = self.score(rows, self.texts(x, mask))  # (B, rewards)
         every = all_gather(scores.to(x.device))
         total = every.sum(1)
-        advantages = group_advantages(total, self.group, self.scale_rewards)
+        advantages = torch.zeros_like(total)  # one completion a prompt compares nothing
+        if self.group > 1:
+            advantages = group_advantages(total, self.group, self.scale_rewards)
         B = len(rows)
         mine = advantages[self.rank * B:(self.rank + 1) * B]
         tokens = all_gather(mask.sum().view(1)).sum()
@@ -314,7 +411,8 @@ class Rollouts:
                 'active_tokens': active, 'temperature': self.temperature}})
         metrics = {f'reward_{name}': every[:, i].mean().item()
                    for i, name in enumerate(self.rewards)}
-        metrics['reward_std'] = total.view(-1, self.group).std(1).mean().item()
+        if self.group > 1:
+            metrics['reward_std'] = total.view(-1, self.group).std(1).mean().item()
         metrics['completion_len'] = tokens.item() / len(total)
         return batches, metrics
 
@@ -355,17 +453,20 @@ class Rollouts:
 
 def main(argv):
     """python rl.py: write the offline task and print where. With --ckpt=DIR (what sample.py
-    takes): that model's held-out scores, greedy, or sampled at --temperature once per
-    --seeds=0,1,2 (the spread an untrained model shows by chance). With --gguf=FILE, its
+    takes): that model's scores on --split (val, test, beyond: arithmetic_splits; heldout:
+    the first split's), greedy, or sampled at --temperature once per --seeds=0,1,2 (the
+    spread an untrained model shows by chance). With --gguf=FILE, its
     export beside it: both answer greedily, the GGUF through llama.cpp; their scores, how
     many completions are the same, and each pair that is not."""
-    settings = dict(ckpt='', max_new_tokens=48, rewards='correct_answer,format',
+    settings = dict(ckpt='', split='val', max_new_tokens=48, rewards='correct_answer,format',
                     temperature=0.0, seeds='0', gguf='')
     ranges = {'max_new_tokens': 'positive', 'temperature': 'non-negative',
-              'rewards': 'non-empty', 'seeds': 'non-empty'}
+              'rewards': 'non-empty', 'seeds': 'non-empty',
+              'split': ('val', 'test', 'beyond', 'wide', 'heldout')}
     c = configure(settings, words(argv, most=0)[1], ranges)
     if not c['ckpt']:
-        print('\n'.join([*arithmetic_files(), arithmetic_sft_file()]))
+        print('\n'.join([*arithmetic_splits().values(), *arithmetic_files(),
+                         arithmetic_sft_file()]))
         return
     seeds = c['seeds'].split(',')
     if not all(s.isdigit() for s in seeds):
@@ -376,7 +477,7 @@ def main(argv):
     try:
         _, model, tokenizer = load(c['ckpt'])
         enc = get_tokenizer(tokenizer)
-        scorer = Rollouts('arithmetic', 'arithmetic_heldout', enc, model.config.max_seq_len,
+        scorer = Rollouts('arithmetic', f"arithmetic_{c['split']}", enc, model.config.max_seq_len,
                           max_new_tokens=c['max_new_tokens'],
                           rewards=c['rewards'].split(','))
     except (OSError, ValueError, RuntimeError, KeyError) as e:

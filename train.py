@@ -86,9 +86,9 @@ prepare = dict(files={}, format='text', text_field='text')
 mixture = {}           # {name: (folder, weight)}: prepared folders (val: dataset's)
 remix = dict(interval=0, eta=1.0, floor=0.05)  # reweigh the mixture every interval steps
 dpo_data = ''          # a jsonl of {prompt, chosen, rejected} for the dpo objective
-# GRPO (rl.py): `data` is a jsonl of prompts and the rewards' columns, or 'arithmetic'
-# (offline), `heldout` is scored greedily at every eval; the model samples batch_size
-# prompts x group per micro-step, every `iterations` steps
+# GRPO and on-policy distillation (rl.py): `data` is a jsonl of prompts and the rewards'
+# columns, or an offline task's ('arithmetic_train'), `heldout` is scored greedily at every
+# eval; the model samples batch_size prompts x group per micro-step, every `iterations` steps
 grpo = dict(data='', heldout='', group=8, max_new_tokens=128, temperature=1.0, top_p=1.0,
             rewards=['correct_answer'], scale_rewards='group', iterations=1)
 batch_size = 16        # sequences per rank per micro-step
@@ -296,8 +296,8 @@ try:
         mask_id = mask_token(enc, raw_model.config.vocab_size)
     manager = ObjectiveManager.from_settings(objectives, curriculum, blend, teacher_net,
                                              raw_model, mask_id)
-    rollouts = Rollouts.from_settings(grpo, enc, raw_model.config.max_seq_len, seed, rank,
-                                      world_size, sync=fsdp)
+    rollouts = Rollouts.from_settings(grpo, manager.readers(), enc, raw_model.config.max_seq_len,
+                                      seed, rank, world_size, sync=fsdp)
 except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
     sys.exit(f"error: {e}")
 
@@ -320,7 +320,7 @@ def micro_steps(run, step, b):
     # the logged loss is the mean over all micro-steps, not the last one's
     loss_sum, metrics = torch.zeros((), device=device), {}
     samples = [{}] * gradient_accumulation_steps
-    if run.rollouts:  # GRPO: the step's completions, sampled by the model as it is now
+    if run.rollouts and manager.samples(step / max_steps):  # the model's own completions
         samples, metrics = run.rollouts.step(run.model, step, batch_size,
                                              gradient_accumulation_steps)
     for micro in range(gradient_accumulation_steps):

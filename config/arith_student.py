@@ -23,8 +23,10 @@ init_from = 'out-arith-teacher'
 teacher = 'out-arith-teacher'
 bitnet = True
 weight_scale = 'row'
-dataset = 'data/arithmetic-smollm2'
-prepare = dict(files={'train': rl.arithmetic_sft_file()}, format='chat')
+dataset = 'data/arithmetic-splits-smollm2'
+_splits = rl.arithmetic_splits()
+prepare = dict(files={'train': _splits['sft_train'], 'val': _splits['sft_val']},
+               format='chat')
 objectives = {'block': {}, 'ce': {}, 'kd': {'temperature': 5.0},
               'attn': {'layer': -1, 'heads': 4}}
 curriculum = [(0.25, {'block': 1.0}), (1.0, {'ce': 1.0, 'kd': 1.0, 'attn': 1.0})]

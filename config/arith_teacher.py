@@ -10,8 +10,10 @@ import rl
 out_dir = 'out-arith-teacher'
 init_from = 'HuggingFaceTB/SmolLM2-135M-Instruct'
 bitnet = False
-dataset = 'data/arithmetic-smollm2'
-prepare = dict(files={'train': rl.arithmetic_sft_file()}, format='chat')
+dataset = 'data/arithmetic-splits-smollm2'
+_splits = rl.arithmetic_splits()
+prepare = dict(files={'train': _splits['sft_train'], 'val': _splits['sft_val']},
+               format='chat')
 batch_size = 16
 block_size = 96        # a chat row is about 70 tokens
 max_steps = 60

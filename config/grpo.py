@@ -3,9 +3,10 @@
 # `#### <number>`. No download besides the model; no value model, no reference (beta = 0).
 #   python train.py config/grpo.py
 #   python train.py config/grpo.py --init_from=DIR     # offline: a folder with the model
-# Held-out: 200 problems no training prompt repeats, answered greedily at every eval
-# (heldout_correct_answer in log.jsonl); `python rl.py --ckpt=out-grpo` scores a
-# checkpoint the same way. LoRA on a ternary model (its base packed, the adapters trained):
+# Held-out: 200 problems no training prompt repeats (rl.py's first split), answered greedily
+# at every eval (heldout_correct_answer in log.jsonl);
+# `python rl.py --ckpt=out-grpo --split=heldout` scores a checkpoint the same way.
+# LoRA on a ternary model (its base packed, the adapters trained):
 #   python train.py config/grpo.py --init_from=<a ternary checkpoint> --lora.rank=16 \
 #       --learning_rate=1e-4 --out_dir=out-grpo-lora
 out_dir = 'out-grpo'

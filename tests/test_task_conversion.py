@@ -206,3 +206,69 @@ def test_rl_scores_a_gguf_export_beside_its_checkpoint(tmp_path):
     r = subprocess.run([sys.executable, 'rl.py', f'--ckpt={folder}', f'--gguf={tmp_path / "bad.gguf"}'],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and r.stderr.strip().count('\n') == 0 and 'bad.gguf' in r.stderr, r.stderr
+
+
+def facts_of(rows):
+    """The (operation, a, b) each problem asks for, read back from its words, and its answer
+    checked against them."""
+    facts = []
+    for row in rows:
+        question = row['prompt'].split('\n')[0]
+        a, b = (int(w.strip('.?')) for w in question.split() if w.strip('.?').isdigit())
+        if ' + ' in question or ' more ' in question:
+            operation, answer = 'add', a + b
+        elif ' - ' in question or ' away.' in question:
+            operation, answer = 'subtract', a - b
+        else:
+            assert ' times ' in question, question
+            operation, answer = 'multiply', a * b
+        assert row['answer'] == str(answer), row
+        facts.append((operation, a, b))
+    return facts
+
+
+def test_the_splits_hold_out_by_value_and_beyond_the_training_range(tmp_path, monkeypatch):
+    import rl
+    monkeypatch.setenv('NANOBITNET_CACHE', str(tmp_path))
+    paths = rl.arithmetic_splits()
+    rows = {}
+    for name, path in paths.items():
+        with open(path) as f:
+            rows[name] = [json.loads(line) for line in f]
+    assert {k: len(v) for k, v in rows.items()} == {'train': 5000, 'val': 200, 'test': 200,
+                                                    'beyond': 200, 'wide': 5000,
+                                                    'sft_train': 5000, 'sft_val': 200}
+    facts = {name: facts_of(rows[name]) for name in ('train', 'val', 'test', 'beyond', 'wide')}
+    for split in ('val', 'test', 'beyond'):
+        for trained in ('train', 'wide'):  # the gold answers, and the teacher's
+            assert not set(facts[trained]) & set(facts[split]), (trained, split)
+        assert len({row['prompt'] for row in rows[split]}) == len(rows[split])  # distinct prompts
+    assert not set(facts['val']) & set(facts['test'])
+    numbers = {n for _, a, b in facts['train'] + facts['val'] + facts['test'] for n in (a, b)}
+    assert min(numbers) == 2 and max(numbers) == 12
+    assert all(a > 12 and a >= b >= 2 for _, a, b in facts['beyond'])
+    assert all(a > max(a for _, a, _ in facts['beyond']) for _, a, _ in facts['wide'])
+    # every operation is asked in every split, on facts enough to say more than one fact's luck
+    for split in ('val', 'test', 'beyond'):
+        assert {op for op, _, _ in facts[split]} == {'add', 'subtract', 'multiply'}
+        for op in ('add', 'subtract', 'multiply'):
+            assert len({f for f in facts[split] if f[0] == op}) >= 8, (split, op)
+    for split in ('train', 'val'):
+        assert rows[f'sft_{split}'] == [{'prompt': r['prompt'], 'response': '#### ' + r['answer']}
+                                        for r in rows[split]]
+    assert rl.task_file('arithmetic_test') == paths['test']
+    assert rl.task_file('prompts.jsonl') == 'prompts.jsonl'
+
+
+# sha256 (first 16 digits) of the first split's train, held-out and SFT files as e3bdcf6 wrote them
+FIRST_SPLIT = ['f56dd4178d76ed2d', 'bedbe2966f1b1f7b', '17c7a6c297644532']
+
+
+def test_the_first_split_is_made_again_as_it_was(tmp_path, monkeypatch):
+    """The old figures' files (held out by prompt text only) stay reproducible, byte for byte."""
+    import hashlib
+    import rl
+    monkeypatch.setenv('NANOBITNET_CACHE', str(tmp_path))
+    digests = [hashlib.sha256(open(p, 'rb').read()).hexdigest()[:16]
+               for p in [*rl.arithmetic_files(), rl.arithmetic_sft_file()]]
+    assert digests == FIRST_SPLIT
