@@ -286,3 +286,33 @@ def test_the_repository_holds_only_the_project():
              if os.path.exists(os.path.join(ROOT, path))
              and os.path.getsize(os.path.join(ROOT, path)) > 1_000_000]
     assert not large, f'files over 1 MB tracked: {large}'
+
+
+def anchors(path):
+    """The anchors of a Markdown file's headings, as GitHub makes them."""
+    found = set()
+    for line in open(path):
+        if line.startswith('#'):
+            title = line.lstrip('#').strip().lower()
+            found.add(re.sub(r'[^\w\- ]', '', title).replace(' ', '-'))
+    return found
+
+
+def test_every_relative_link_in_readme_and_docs_resolves():
+    """Each link that is not a URL names a file of the repository, seen from the linking file,
+    and each #anchor a heading of the file it points to."""
+    pages = ['README.md'] + [f'docs/{name}' for name in sorted(os.listdir(os.path.join(ROOT, 'docs')))
+                             if name.endswith('.md')]
+    broken = []
+    for page in pages:
+        text = open(os.path.join(ROOT, page)).read()
+        for link in re.findall(r'\]\(([^)\s]+)\)', text):
+            if re.match(r'[a-z]+:', link):
+                continue
+            path, _, anchor = link.partition('#')
+            target = os.path.normpath(os.path.join(ROOT, os.path.dirname(page), path or os.path.basename(page)))
+            if not os.path.exists(target):
+                broken.append((page, link))
+            elif anchor and target.endswith('.md') and anchor not in anchors(target):
+                broken.append((page, link))
+    assert len(pages) > 5 and not broken, broken
