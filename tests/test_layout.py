@@ -316,3 +316,10 @@ def test_every_relative_link_in_readme_and_docs_resolves():
             elif anchor and target.endswith('.md') and anchor not in anchors(target):
                 broken.append((page, link))
     assert len(pages) > 5 and not broken, broken
+
+
+def test_readme_reads_run_then_the_reading_path_then_test():
+    """The front door in the order a newcomer needs it: what to run, what to read, how to test."""
+    headings = [line for line in lines('README.md') if line.startswith('## ')]
+    order = [headings.index(h) for h in ('## Run', '## Reading path', '## Test', '## Results')]
+    assert order == sorted(order), headings
