@@ -101,11 +101,16 @@ class CrossEntropy(Objective):
         return ce_loss(s['logits'], batch['y'])
 
 
+def kl_per_token(log_p, log_q):
+    """KL(p || q) at every position, from log-probabilities over the last dimension."""
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
 def kd_per_token(z_s, z_t, T):
     """T^2 * KL(p_t || p_s) for every position, p = softmax(z / T): (B, T_len)."""
     log_ps = F.log_softmax(z_s.float() / T, -1)
     log_pt = F.log_softmax(z_t.float() / T, -1)
-    return T * T * (log_pt.exp() * (log_pt - log_ps)).sum(-1)
+    return T * T * kl_per_token(log_pt, log_ps)
 
 
 class LogitsKD(Objective):
@@ -314,9 +319,12 @@ def group_advantages(rewards, group, scale='group'):
     prompt, adjacent), divided by the group's standard deviation + 1e-4 ('group'), by the
     whole batch's ('batch'; Liu et al. 2025, Dr. GRPO, drop the group's as biased), or not
     at all ('none'). Standard deviations are torch's (n - 1). A group of equal rewards
-    teaches nothing: its advantages are exactly 0."""
+    teaches nothing: its advantages are exactly 0, as are those of groups of one (on-policy
+    distillation's single completions)."""
     if scale not in ('group', 'batch', 'none'):
         raise ValueError(f"scale_rewards={scale!r}; use 'group', 'batch' or 'none'")
+    if group == 1:
+        return torch.zeros_like(rewards)
     by_group = rewards.view(-1, group)  # (prompts, G)
     centred = (by_group - by_group.mean(1, keepdim=True)).flatten()
     if scale == 'group':
@@ -405,11 +413,6 @@ class GRPO(Objective):
                         'entropy': entropy}
             self.metrics = {k: (v * mask).sum() / counted for k, v in measured.items()}
         return loss
-
-
-def kl_per_token(log_p, log_q):
-    """KL(p || q) at every position, from log-probabilities over the last dimension."""
-    return (log_p.exp() * (log_p - log_q)).sum(-1)
 
 
 def generalized_jsd(z_s, z_t, beta):

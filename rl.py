@@ -393,9 +393,7 @@ class Rollouts:
         scores = self.score(rows, self.texts(x, mask))  # (B, rewards)
         every = all_gather(scores.to(x.device))
         total = every.sum(1)
-        advantages = torch.zeros_like(total)  # one completion a prompt compares nothing
-        if self.group > 1:
-            advantages = group_advantages(total, self.group, self.scale_rewards)
+        advantages = group_advantages(total, self.group, self.scale_rewards)
         B = len(rows)
         mine = advantages[self.rank * B:(self.rank + 1) * B]
         tokens = all_gather(mask.sum().view(1)).sum()

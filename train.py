@@ -163,7 +163,7 @@ ranges = {'eval_interval': 'positive', 'eval_iters': 'positive', 'log_interval':
           'sample': {'tokens': 'non-negative'},
           'prepare': {'format': ('text', 'jsonl', 'chat', 'tokens')},
           'remix': {'interval': 'non-negative', 'eta': 'positive', 'floor': 'fraction'},
-          'grpo': {}, 'batch_size': 'positive', 'block_size': 'positive',
+          'grpo': {'group': 'positive'}, 'batch_size': 'positive', 'block_size': 'positive',
           'gradient_accumulation_steps': 'positive',
           'arch': {'n_layer': 'positive', 'n_embd': 'positive', 'n_head': 'positive',
                    'n_kv_head': 'positive', 'intermediate_size': 'positive',

@@ -187,3 +187,9 @@ def test_train_py_distils_on_the_students_own_completions(tmp_path):
     assert refused.returncode != 0
     assert "objective 'onpolicy' trains on the model's completions" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_one_completion_a_prompt_has_no_advantage():
+    from objectives import group_advantages
+    for scale in ('group', 'batch', 'none'):
+        assert torch.equal(group_advantages(torch.tensor([1.0, 0.0, 0.5]), 1, scale), torch.zeros(3))
