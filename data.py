@@ -239,11 +239,13 @@ class _Writer:
         self.parts, self.n, self.shards = [tokens[n:]], self.n - n, self.shards + 1
 
 
-def write_documents(folder, documents, tokenizer, shard_tokens=10 ** 8):
+def write_documents(folder, documents, tokenizer, masks=None, shard_tokens=10 ** 8):
     """Documents already tokenized ({'train': [...], 'val': [...]}, each a list of ids
     that starts with <|endoftext|>, as prepare starts them) as the shards prepare
     writes, with its marker, so that train.py reads them as any prepared folder
-    (dataset=folder, the same tokenizer). Returns the token count of each split."""
+    (dataset=folder, the same tokenizer); `masks` in the same shape (1 where a token
+    is a target) writes their loss masks, as prepare's chat rows have. Returns the
+    token count of each split."""
     if shard_paths(folder, 'train') or shard_paths(folder, 'val'):
         raise FileExistsError(f"{folder} already holds token shards; "
                               f"delete them or use another")
@@ -252,8 +254,9 @@ def write_documents(folder, documents, tokenizer, shard_tokens=10 ** 8):
     counts = {}
     for split, docs in documents.items():
         writer = _Writer(folder, split, shard_tokens)
-        for doc in docs:
-            writer.add(np.array(doc, dtype), None)
+        for i, doc in enumerate(docs):
+            mask = None if masks is None else np.array(masks[split][i], np.uint8)
+            writer.add(np.array(doc, dtype), mask)
         counts[split] = writer.shards * shard_tokens + writer.n
         if writer.n:
             writer.write(writer.n)

@@ -10,7 +10,7 @@ model on what the fp model writes rather than on real text: each document is
 sampled at temperature 1 up to `length` tokens. With --prompts, each line of the file (a
 chat jsonl line as data.py reads them, up to its first answer; or a line of plain text, a
 user's message) is put in the model's chat template and answered by sampling until the
-turn ends: the text a chat student must learn. Both are batched with the KV cache
+turn ends: the text a chat student must learn, its loss on the answers alone. Both are batched with the KV cache
 (engine.teacher_text); every document comes from its own seed, so the shards depend on
 `seed` alone. The val split is held out: documents from seeds the train split does not
 use, and every tenth prompt. The shards are prepare's (data.write_documents): train.py
@@ -90,12 +90,17 @@ def asked(line):
 
 
 def answered(conversations, first_seed):
-    """Each conversation and `answers` answers to it, each from its own seed."""
+    """Each conversation and `answers` answers to it, each from its own seed, and each
+    answer's loss mask: 1 on the answer's tokens, 0 on its prompt's, as prepare's chat
+    rows count the assistant's text alone."""
     starts = [chat_prompt(enc, turns) for turns in conversations for _ in range(answers)]
     seeds = list(range(first_seed, first_seed + len(starts)))
     end = enc.encode_single_token(chat_template(enc)[2])  # the token that ends a turn
-    return teacher_text(model, starts, max_answer, seeds, stop_ids=(end, eos),
-                        vocab=vocab, batch=batch_size)
+    texts = teacher_text(model, starts, max_answer, seeds, stop_ids=(end, eos),
+                         vocab=vocab, batch=batch_size)
+    masks = [[0] * len(start) + [1] * (len(text) - len(start))
+             for start, text in zip(starts, texts)]
+    return texts, masks
 
 
 t0 = time.time()
@@ -111,13 +116,16 @@ if prompts:
                  "out, so give at least 10")
     held_out = conversations[9::10]  # none of them trained on
     trained = [c for i, c in enumerate(conversations) if i % 10 != 9]
-    documents = {'train': answered(trained, seed), 'val': answered(held_out, seed + 10 ** 6)}
+    documents, masks = {}, {}
+    documents['train'], masks['train'] = answered(trained, seed)
+    documents['val'], masks['val'] = answered(held_out, seed + 10 ** 6)
 else:
     n = math.ceil(tokens / length)
     documents = {'train': own_text(n, seed),
                  'val': own_text(max(1, n // 10), seed + 10 ** 6)}
+    masks = None  # its own text counts everywhere
 try:
-    counts = write_documents(out, documents, tokenizer)
+    counts = write_documents(out, documents, tokenizer, masks)
 except (OSError, ValueError) as e:
     sys.exit(f"error: cannot write {out!r}: {e}")
 print(f"wrote {out}: {counts['train']:,} train and {counts['val']:,} val tokens, "

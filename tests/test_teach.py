@@ -35,6 +35,15 @@ def tokens(folder, split):
     return np.concatenate([read_shard(p) for p in shard_paths(folder, split)]).tolist()
 
 
+def masks(folder, split):
+    return np.concatenate([read_shard(p[:-4] + '.mask') for p in shard_paths(folder, split)]).tolist()
+
+
+def answer_mask(start, document):
+    """0 on the prompt's tokens, 1 on what was sampled after them."""
+    return [0] * len(start) + [1] * (len(document) - len(start))
+
+
 def alone(model, start, new_tokens, seed, greedy=0, stop_ids=()):
     """One document as engine samples it by itself: the greedy tokens, then the sampled ones."""
     if greedy:
@@ -60,6 +69,7 @@ def test_its_own_text_is_what_each_document_samples_alone_and_depends_on_the_see
     assert tokens(tmp_path / 'a', 'train') == expected['train'] and len(expected['train']) == 15 * 40
     assert tokens(tmp_path / 'a', 'val') == expected['val']
     assert json.load(open(tmp_path / 'a' / 'prepared.json'))['tokenizer'] == 'bytes'
+    assert not list((tmp_path / 'a').glob('*.mask'))  # its own text counts everywhere
     assert teach(*args, f'--out={tmp_path / "b"}').returncode == 0
     assert teach(*args, f'--out={tmp_path / "c"}', '--seed=7').returncode == 0
     assert tokens(tmp_path / 'b', 'train') == expected['train'] != tokens(tmp_path / 'c', 'train')
@@ -86,6 +96,10 @@ def test_answers_to_prompts_hold_out_every_tenth_prompt_and_train_py_reads_them(
                  for i, t in enumerate(turns[:9] + turns[10:])]
         val = alone(model, chat_prompt(enc, turns[9]), 24, 1337 + 10 ** 6, stop_ids=stop)
     assert tokens(out, 'train') == sum(train, []) and tokens(out, 'val') == val
+    starts = [chat_prompt(enc, t) for t in turns[:9] + turns[10:]]
+    assert masks(out, 'train') == sum(map(answer_mask, starts, train), [])  # the loss on the answers alone
+    assert masks(out, 'val') == answer_mask(chat_prompt(enc, turns[9]), val)
+    assert 0 < sum(masks(out, 'train')) < len(masks(out, 'train'))
     assert b'Question 9' in enc.decode_bytes(val) and b'Question 9' not in enc.decode_bytes(sum(train, []))
     r = subprocess.run([sys.executable, 'train.py', f'--dataset={out}', '--tokenizer=bytes', f'--init_from={teacher}',
                         '--bitnet=True', '--max_steps=2', '--batch_size=2', '--block_size=32', '--eval_interval=2',
