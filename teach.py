@@ -3,17 +3,19 @@ Token shards a teacher writes, for a student to learn from:
 
     python teach.py --ckpt=DIR --out=data/teacher         # its own text
     python teach.py --ckpt=DIR --out=data/answers --prompts=config/chat.jsonl
+    python teach.py --ckpt=DIR --out=data/wide --prompts=arithmetic_wide   # a task's prompts
 
 Its own text is made as LLM-QAT (Liu et al. 2023) makes it, which distils a quantized
 model on what the fp model writes rather than on real text: each document is
 <|endoftext|> and a random ordinary token, continued greedily for `greedy` tokens, then
 sampled at temperature 1 up to `length` tokens. With --prompts, each line of the file (a
-chat jsonl line as data.py reads them, up to its first answer; or a line of plain text, a
-user's message) is put in the model's chat template and answered by sampling until the
-turn ends: the text a chat student must learn, its loss on the answers alone. Both are batched with the KV cache
-(engine.teacher_text); every document comes from its own seed, so the shards depend on
-`seed` alone. The val split is held out: documents from seeds the train split does not
-use, and every tenth prompt. The shards are prepare's (data.write_documents): train.py
+chat jsonl line as data.py reads them, up to its first answer; a task's problem, its
+prompt; or a line of plain text, a user's message) is put in the model's chat template
+and answered by sampling until the turn ends: the text a chat student must learn, its
+loss on the answers alone. Both are batched with the KV cache (engine.teacher_text);
+every document comes from its own seed, so the shards depend on `seed` alone. The val
+split is held out: documents from seeds the train split does not use, and every tenth
+prompt. The shards are prepare's (data.write_documents): train.py
 reads them with --dataset=OUT and the teacher's tokenizer, in any objective, mixture or
 sweep.
 """
@@ -29,6 +31,7 @@ from checkpoint import check_output, load
 from configurator import configure
 from data import shard_paths, write_documents
 from engine import teacher_text
+from rl import task_file
 from tokenizer import chat_prompt, chat_template, chat_turns, eos_id, get_tokenizer
 
 ckpt = 'out'           # the teacher: a run's folder, a checkpoint, an HF directory
@@ -36,7 +39,7 @@ out = ''               # the folder the shards go to
 tokens = 61440         # its own text: this many train tokens at least (val: a tenth)
 length = 256           # ... tokens per document
 greedy = 4             # ... tokens after the random one chosen greedily
-prompts = ''           # a prompt file: its answers instead of its own text
+prompts = ''           # a prompt file (or rl.py's task by name): its answers, not its own text
 answers = 1            # ... answers per prompt, each from its own seed
 max_answer = 256       # ... tokens per answer at most
 seed = 1337
@@ -84,9 +87,15 @@ def own_text(n, first_seed):
 
 
 def asked(line):
-    """A prompt file's line as the conversation up to its first answer."""
-    turns = chat_turns(json.loads(line)) if line.startswith('{') else [('user', line)]
-    return list(itertools.takewhile(lambda turn: turn[0] != 'assistant', turns))
+    """A prompt file's line as the conversation up to its first answer: a chat jsonl
+    line, a task's problem ({"prompt": ..., "answer": ...}, as rl.py's files hold them:
+    its prompt) or a line of plain text."""
+    if not line.startswith('{'):
+        return [('user', line)]
+    row = json.loads(line)
+    if isinstance(row, dict) and isinstance(row.get('prompt'), str) and 'response' not in row:
+        return [('user', row['prompt'])]
+    return list(itertools.takewhile(lambda turn: turn[0] != 'assistant', chat_turns(row)))
 
 
 def answered(conversations, first_seed):
@@ -106,7 +115,7 @@ def answered(conversations, first_seed):
 t0 = time.time()
 if prompts:
     try:  # every line read and checked before any answer is sampled
-        with open(prompts, encoding='utf-8') as f:
+        with open(task_file(prompts), encoding='utf-8') as f:
             conversations = [asked(line.strip()) for line in f if line.strip()]
         chat_template(enc)
     except (OSError, ValueError, KeyError) as e:

@@ -82,6 +82,7 @@ def test_answers_to_prompts_hold_out_every_tenth_prompt_and_train_py_reads_them(
     lines[3] = json.dumps({'messages': [{'role': 'system', 'content': 'Be brief.'},
                                         {'role': 'user', 'content': 'Name a colour.'},
                                         {'role': 'assistant', 'content': 'Red.'}]})
+    lines[5] = json.dumps({'prompt': 'What is 2 plus 2?', 'answer': '4'})  # a task's problem, as rl.py's files
     prompts = tmp_path / 'prompts.txt'
     prompts.write_text('\n'.join(lines) + '\n')
     out = tmp_path / 'answers'
@@ -90,6 +91,7 @@ def test_answers_to_prompts_hold_out_every_tenth_prompt_and_train_py_reads_them(
     enc, model = get_tokenizer('bytes'), Transformer.from_pretrained(teacher).eval()
     turns = [[('user', line)] for line in lines]
     turns[3] = [('system', 'Be brief.'), ('user', 'Name a colour.')]  # up to the first answer
+    turns[5] = [('user', 'What is 2 plus 2?')]  # its prompt alone
     stop = (enc.encode_single_token('<|im_end|>'), 256)
     with torch.no_grad():
         train = [alone(model, chat_prompt(enc, t), 24, 1337 + i, stop_ids=stop)
