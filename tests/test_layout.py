@@ -323,3 +323,13 @@ def test_readme_reads_run_then_the_reading_path_then_test():
     headings = [line for line in lines('README.md') if line.startswith('## ')]
     order = [headings.index(h) for h in ('## Run', '## Reading path', '## Test', '## Results')]
     assert order == sorted(order), headings
+
+
+def test_readme_results_are_a_dozen_short_lines():
+    """The headline figures fit on a screen: at most 12 lines, none of 200 characters or more; the
+    write-ups live in docs/."""
+    text = open(os.path.join(ROOT, 'README.md')).read()
+    section = text.split('## Results', 1)[1].split('\n## ', 1)[0]
+    written = [line for line in section.splitlines() if line.strip()]
+    assert 5 <= len(written) <= 12, written
+    assert all(len(line) < 200 for line in written), max(written, key=len)
