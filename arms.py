@@ -12,6 +12,7 @@ import functools
 import itertools
 import json
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -21,6 +22,10 @@ from configurator import configure
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 REQUIRED = {'out_dir': str, 'max_steps': int, 'chunks': int}  # the sweep's, for every arm
+# an arm's name is its folder's and, with .stderr, its log's: no slash, no control
+# character, no leading '.' or '-', at most 200 characters, none of the sweep's own files
+SAFE_NAME = re.compile(r'[^./\\\x00-\x1f\x7f-][^/\\\x00-\x1f\x7f]{0,199}')
+SWEEP_FILES = ('sweep.json', 'sweep.jsonl', 'sweep.svg', 'control.jsonl')
 
 
 @functools.cache  # train.py is asked once per sweep, not once per arm
@@ -37,9 +42,10 @@ def defaults():
 
 def checked(arm, args):
     """train.py's arguments `args`, checked as train.py checks them; an error names the arm."""
-    if not arm or os.sep in arm or arm.startswith('.'):
-        raise SystemExit(f"error: arm {arm!r}: an arm's name is its folder's; "
-                         f"rename it without {os.sep!r} or a leading '.'")
+    if not SAFE_NAME.fullmatch(arm) or arm.endswith('.stderr') or arm in SWEEP_FILES:
+        raise SystemExit(f"error: arm {arm!r}: an arm's name is its folder's; rename it "
+                         f"without '/', '\\' or control characters, not starting with '.' "
+                         f"or '-', not ending in .stderr, not one of {', '.join(SWEEP_FILES)}")
     try:
         settings, ranges = defaults()
         configure(dict(settings), args, ranges)  # a copy: configure fills it in
@@ -52,6 +58,20 @@ def arguments(overrides):
     """{setting: value} as train.py's --key=value arguments."""
     return [f'--{k}={v}' if isinstance(v, str) else f'--{k}={v!r}'
             for k, v in overrides.items()]
+
+
+def named_twice(path):
+    """The keys written twice in a sweep file's `arms = {...}` (Python keeps the last one
+    of a dict literal without a word)."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    twice = []
+    for node in tree.body:
+        targets = [t.id for t in getattr(node, 'targets', []) if isinstance(t, ast.Name)]
+        if targets == ['arms'] and isinstance(node.value, ast.Dict):
+            keys = [k.value for k in node.value.keys if isinstance(k, ast.Constant)]
+            twice += sorted({k for k in keys if keys.count(k) > 1})
+    return twice
 
 
 def new_sweep(path):
@@ -67,9 +87,15 @@ def new_sweep(path):
             not all(isinstance(v, (list, tuple)) for v in grid.values()):
         raise SystemExit(f"error: {path}: arms must be {{name: {{setting: value}}}} and grid "
                          f"{{setting: [values]}}")
+    twice = named_twice(path)
     for values in itertools.product(*grid.values()) if grid else ():
         combo = dict(zip(grid, values))
-        arms['_'.join(f'{k}={v}' for k, v in combo.items())] = combo
+        name = '_'.join(f'{k}={v}' for k, v in combo.items())
+        twice += [name] if name in arms else []
+        arms[name] = combo
+    if twice:
+        raise SystemExit(f"error: {path}: the arm {twice[0]!r} is named twice (an arm of "
+                         f"the grid counts too); give every arm its own name")
     settings = [spec.get('base', {})] + list(arms.values())
     for key, kind in REQUIRED.items():
         if type(spec.get(key)) is not kind or any(key in s for s in settings):

@@ -15,6 +15,9 @@ dict of its keys' ranges, empty for none): each of its keys is a setting of its 
 overridden alone with `--group.key=value`, or several at once with `--group={'key': value}`
 or `group = dict(...)` in a config file; the keys not named keep their values.
 
+A setting that was renamed (a flat name that became a group's key) is named in the
+script's table of old names, so that an old command line fails with the new spelling.
+
 Ranges are declared by the script beside its settings: 'positive' (above 0),
 'non-negative' (0 or above), 'fraction' (0 to 1), 'non-empty', or a tuple of the allowed
 values.
@@ -71,6 +74,13 @@ def _update_group(config, group, value):
     return updated
 
 
+def _renamed(key, renamed):
+    """A setting's old name is a one-line error that names its new spelling."""
+    if key in renamed:
+        raise SystemExit(f"error: {key!r} is now {renamed[key]!r}: set --{renamed[key]}=VALUE "
+                         f"instead of --{key}")
+
+
 def _grouped(config, key, groups):
     """A top-level name that is a key of a group is a one-line hint to the group."""
     owner = next((g for g in sorted(groups) if key in config[g]), None)
@@ -106,9 +116,12 @@ def words(args, allowed=None, most=None):
     return found, rest
 
 
-def configure(config, args, ranges=None):
+def configure(config, args, ranges=None, renamed=None):
     """Apply config files and --key=value args (a list of strings) to the dict `config`,
-    then check every setting named in `ranges` ({key: range, group: {key: range}})."""
+    then check every setting named in `ranges` ({key: range, group: {key: range}}).
+    `renamed` ({old name: new spelling}) turns a name the script no longer has into
+    an error that names the setting that replaced it."""
+    renamed = renamed or {}
     groups = {key for key, allowed in (ranges or {}).items() if isinstance(allowed, dict)}
     for arg in args:
         if not arg.startswith('--'):
@@ -134,6 +147,7 @@ def configure(config, args, ranges=None):
                 if key in groups:
                     config[key] = _update_group(config, key, value)
                 elif key not in config or value != config[key]:
+                    _renamed(key, renamed)
                     _grouped(config, key, groups)
                     config[key] = _check(config, key, value)
         else:
@@ -142,6 +156,7 @@ def configure(config, args, ranges=None):
                 raise SystemExit(f"error: expected --key=value, got {arg!r}")
             group, dot, name = key.partition('.')
             if dot and group not in groups:
+                _renamed(group, renamed)
                 raise SystemExit(f"error: {group!r} is not a group of settings; "
                                  f"expected --key=value, got {arg!r}")
             try:
@@ -157,6 +172,7 @@ def configure(config, args, ranges=None):
             else:
                 if isinstance(config.get(key), str):
                     value = text  # --out_dir=123 is the string '123'
+                _renamed(key, renamed)
                 _grouped(config, key, groups)
                 config[key] = _check(config, key, value)
     for key, allowed in (ranges or {}).items():

@@ -334,7 +334,7 @@ def prepare(files, folder, tokenizer='bytes', fmt='text', val_files=(), val_ever
 
 
 def setup_data(folder, files=None, tokenizer='bytes', fmt='text', text_field='text',
-               wait=6 * 3600, n_vocab=None, tokenizer_file=None):
+               wait=6 * 3600, n_vocab=None, tokenizer_file=None, named=()):
     """Make sure folder holds token shards, once: files = {'train': [...], 'val': [...]}
     (val optional; paths, URLs or hf:// names) downloaded as they are (fmt 'tokens':
     llm.c shards) or downloaded and prepared. Local rank 0 works; the other ranks wait
@@ -342,7 +342,10 @@ def setup_data(folder, files=None, tokenizer='bytes', fmt='text', text_field='te
     tokenizer_file when it has one), so shards are never read with another one: a
     tokenizer of another name is the same one only when both files are byte for byte
     the same (a run's checkpoint carries a copy of its model's tokenizer.json). Given
-    n_vocab, shards that hold an id past it are refused."""
+    n_vocab, shards that hold an id past it are refused. Each function of `named` turns
+    the names it knows into the paths of the files they name, made then, and any other
+    path into itself (train.py's: the offline tasks' files), so that naming one in a
+    config makes nothing until a run prepares the folder."""
     marker = os.path.join(folder, 'prepared.json')
     if files and not os.path.exists(marker):
         if local_rank() != 0:
@@ -350,6 +353,8 @@ def setup_data(folder, files=None, tokenizer='bytes', fmt='text', text_field='te
         else:
             listed = {s: [v] if isinstance(v, str) else list(v)
                       for s, v in files.items()}
+            for name_to_path in named:
+                listed = {s: list(map(name_to_path, v)) for s, v in listed.items()}
             train, val = listed.get('train', []), listed.get('val', [])
             if fmt == 'tokens':
                 for src in train + val:
@@ -643,17 +648,19 @@ def preference_pairs(path, enc, block_size, eos):
 
 
 def run_data(dataset, prepare, mixture, remix_interval, enc, tokenizer_name, tokenizer_file,
-             dpo_data='', block_size=128):
+             dpo_data='', block_size=128, named=()):
     """(train data, val data, preference pairs or None) of a train.py run: the token
     shards of `dataset` (made once from prepare's files, format and text field; ids
     checked against enc's vocabulary), trained on through `mixture` when one is named,
-    or else the offline corpus; DPO's pairs when dpo_data names a file."""
+    or else the offline corpus; DPO's pairs when dpo_data names a file. `named`: as
+    setup_data takes it."""
     if (mixture and not dataset) or (remix_interval and not mixture):
         raise ValueError("mixture= needs dataset= (whose val split is evaluated); "
                          "remix.interval needs mixture=")
     if dataset:
         setup_data(dataset, prepare['files'], tokenizer_name, prepare['format'],
-                   prepare['text_field'], n_vocab=enc.n_vocab, tokenizer_file=tokenizer_file)
+                   prepare['text_field'], n_vocab=enc.n_vocab, tokenizer_file=tokenizer_file,
+                   named=named)
         train_data, val_data = mixture or dataset, dataset
         # the val split, first read at the first evaluation: refused now if it cannot be
         Loader(val_data, 1, block_size, 'val')

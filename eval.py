@@ -202,6 +202,15 @@ def choice_texts_file(name, regime, package=None):
     return path
 
 
+def choice_texts_named(path):
+    """A file to train on, a task's choice texts by the name choice_texts_file gives them
+    ('arc_easy-test_rc_5shot-choices'), made when first named; any other path is itself."""
+    name = path.removesuffix('-choices')
+    if path == name or os.path.exists(path) or name.count('-') != 1 or os.sep in name:
+        return path
+    return choice_texts_file(*name.split('-'))
+
+
 def encode_pair(enc, context, continuation, prefix_id):
     """(context tokens, continuation tokens), split as the harness splits them."""
     if context == '':  # nothing to condition on: the prefix token (end of text)

@@ -45,10 +45,14 @@ globals().update(config)
 if bool(gguf) == bool(merge):
     sys.exit("error: name one output: --gguf=FILE (for llama.cpp) or --merge=DIR "
              "(a LoRA checkpoint's adapters merged into its fp base)")
-try:  # never into a checkpoint, which it would damage
+try:  # never into a checkpoint, which it would damage, nor over anything there
     checkpoint.check_output(gguf or merge, 'gguf' if gguf else 'merge', made=bool(merge))
 except ValueError as e:
     sys.exit(f"error: {e}")
+if merge and os.path.lexists(merge) and not (os.path.isdir(merge) and not os.listdir(merge)):
+    sys.exit(f"error: merge={merge!r} is already there; name a new folder for the merged model")
+if gguf and os.path.isdir(gguf):
+    sys.exit(f"error: gguf={gguf!r} is a folder; name the file to write, such as model.gguf")
 
 try:
     ckpt, model, tokenizer = checkpoint.load(ckpt, 'cpu', True, tokenizer)

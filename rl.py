@@ -138,6 +138,7 @@ def arithmetic_sft_file():
 SPLIT_FACTS = {'test': 0.25, 'val': 0.15}  # the share of each operation's 66 pairs
 SPLIT_SIZES = {'train': 5000, 'val': 200, 'test': 200, 'beyond': 200, 'wide': 5000}
 LARGER = {'beyond': (13, 20), 'wide': (21, 50)}  # the larger number; the smaller from 2 up
+SPLIT_FILES = [*SPLIT_SIZES, 'sft_train', 'sft_val']  # arithmetic_splits' files
 
 
 def arithmetic_facts(seed=0):
@@ -169,8 +170,7 @@ def arithmetic_splits():
     on the facts of arithmetic_facts or past 12 (LARGER); and the chat rows sft_train and
     sft_val (sft_rows) that the teacher and the students train on."""
     folder = os.path.join(cache_dir(), 'arithmetic_splits')
-    names = [*SPLIT_SIZES, 'sft_train', 'sft_val']
-    paths = {name: os.path.join(folder, f'{name}.jsonl') for name in names}
+    paths = {name: os.path.join(folder, f'{name}.jsonl') for name in SPLIT_FILES}
     if all(os.path.exists(p) for p in paths.values()):
         return paths
     facts = arithmetic_facts()
@@ -191,11 +191,13 @@ def arithmetic_splits():
 
 def task_file(path):
     """A prompt file's path, the offline task's files by name: 'arithmetic' and
-    'arithmetic_heldout' (the first split), 'arithmetic_<split>' (arithmetic_splits)."""
+    'arithmetic_heldout' (the first split), 'arithmetic_<split>' and the chat rows
+    'arithmetic_sft_train' and 'arithmetic_sft_val' (arithmetic_splits), made when first
+    named; any other path is itself."""
     if path in ('arithmetic', 'arithmetic_heldout'):
         return arithmetic_files()[path == 'arithmetic_heldout']
     split = path.removeprefix('arithmetic_')
-    if path != split and split in SPLIT_SIZES:
+    if path != split and split in SPLIT_FILES:
         return arithmetic_splits()[split]
     return path
 

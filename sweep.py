@@ -27,6 +27,7 @@ import checkpoint
 from arms import apply_commands, new_sweep, queue_command, table
 from configurator import configure, words
 from report import write_svg
+from run_state import hold
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 MINE = '.sweep_arm'  # the mark of an arm's folder this sweep made: no other is ever removed
@@ -91,6 +92,11 @@ def start_chunk(state, name, env):
     arm, M, n = state['arms'][name], state['max_steps'], state['chunks']
     folder = os.path.join(state['dir'], name)
     end = M * (arm['done'] + 1) // n
+    if os.path.lexists(folder) and not os.path.isfile(os.path.join(folder, MINE)):
+        arm['status'] = f"failed: {folder} exists and was not made by this sweep"
+        print(f"error: arm {name}: {folder} exists and was not made by this sweep; move it "
+              f"away or rename the arm", file=sys.stderr)
+        return None
     saved = checkpoint.checkpoints(folder)
     if saved and int(os.path.basename(saved[-1])[5:]) >= end:
         return None
@@ -179,6 +185,11 @@ def run(state, path, workers):
     """Chunks until no arm is left running, `workers` at a time; the state saved and the
     table reported after each."""
     os.makedirs(state['dir'], exist_ok=True)
+    lock = hold(state['dir'])  # one sweep.py at a time runs a sweep, until it ends
+    if lock is None:
+        raise SystemExit(f"error: the sweep in {state['dir']} is running in another process; "
+                         f"wait for it, or send it a command (python sweep.py {state['dir']} "
+                         f"stop ARM)")
     save(state, path)  # from the start, `sweep.py DIR stop ARM` finds the sweep
     flight = {}  # arm -> (its train.py process, worker slot, start time)
     while True:

@@ -14,8 +14,9 @@ The script reads top to bottom like nanoGPT's: settings, the set-up (ranks, the 
 it starts from, data, model, objectives, auto batch, optimizers, the run's state), the loop.
 The set-up finishes every setting before anything takes it; each optional feature is set
 up in a line or two by the file that owns it (objectives.py: losses; optim.py: optimizers,
-DDP and FSDP2; data.py: batches; checkpoint.py: checkpoints and checkpoint.TrainState, all
-a checkpoint saves; lora.py, rl.py, teachers.py). A setting that only one feature reads
+DDP and FSDP2; data.py: batches; checkpoint.py: checkpoints; run_state.py: the folder
+the run owns, where it starts and run_state.TrainState, all a checkpoint saves; lora.py,
+rl.py, teachers.py). A setting that only one feature reads
 sits in that feature's group (a dict such as `arch` or `lora`), set one key at a time with
 --group.key=value (configurator.py).
 """
@@ -31,13 +32,13 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import run_state
 import teachers
 from bitlinear import TARGETS, set_lambda
-from checkpoint import TrainState
 from configurator import configure
 from data import Batches, run_data
 from engine import complete
-from eval import check_tasks, token_bytes, val_loss, zero_shot
+from eval import check_tasks, choice_texts_named, token_bytes, val_loss, zero_shot
 from kernels import holding_weights
 from lora import check_lora, set_adapters, setup_lora
 from model import ModelConfig, Transformer
@@ -48,9 +49,61 @@ from optim import (SCHEDULES, ZClip, check_fits, check_sharding, clip_gradients,
                    remix_mixture, reset_moments, set_lr)
 from remote import Uploader, download_latest
 from report import start_wandb
-from rl import Rollouts
+from rl import Rollouts, task_file
+from run_state import TrainState
 from tokenizer import eos_id, run_tokenizer
 
+# the flat names that the groups of settings replaced: an old command line or config file
+# fails in one line that names the new spelling (configurator)
+RENAMED = {'ckpt_interval': 'ckpt.interval', 'keep_last': 'ckpt.keep_last',
+           'patience': 'early_stop.patience', 'min_delta': 'early_stop.min_delta',
+           'sample_tokens': 'sample.tokens', 'eval_prompts': 'sample.prompts',
+           'wandb_log': 'wandb_project', 'data_files': 'prepare.files',
+           'data_format': 'prepare.format', 'text_field': 'prepare.text_field',
+           'remix_interval': 'remix.interval', 'remix_eta': 'remix.eta',
+           'remix_floor': 'remix.floor', 'grpo_data': 'grpo.data',
+           'grpo_heldout': 'grpo.heldout', 'rollout': 'grpo', 'n_layer': 'arch.n_layer',
+           'n_embd': 'arch.n_embd', 'n_head': 'arch.n_head',
+           'n_kv_head': 'arch.n_kv_head',
+           'intermediate_size': 'arch.intermediate_size', 'act': 'arch.act',
+           'rope_theta': 'arch.rope_theta', 'tie_embeddings': 'arch.tie_embeddings',
+           'lora_rank': 'lora.rank', 'lora_alpha': 'lora.alpha',
+           'lora_targets': 'lora.targets',
+           'teacher_model': 'vllm.model', 'teacher_top_k': 'vllm.top_k',
+           'embed_lr': 'group_lr.embed', 'head_lr': 'group_lr.head',
+           'scalar_lr': 'group_lr.scalar', 'beta1': 'adamw.beta1',
+           'beta2': 'adamw.beta2',
+           'zclip_z': 'zclip', 'auto_batch_gib': 'auto_batch.gib'}
+# the settings a resumed run cannot change (run_state.check_start)
+FIXED = ('arch', 'bitnet', 'moe', 'lrc_rank', 'lora', 'tokenizer', 'optimizer', 'zero1',
+         'linear_norm', 'weight_scale')
+# the settings with a range (a group: its keys' ranges), checked with the types before
+# any work starts
+ranges = {'eval_interval': 'positive', 'eval_iters': 'positive', 'log_interval': 'positive',
+          'ckpt': {'interval': 'non-negative', 'keep_last': 'positive'},
+          'early_stop': {'patience': 'non-negative', 'min_delta': 'non-negative'},
+          'sample': {'tokens': 'non-negative'},
+          'prepare': {'format': ('text', 'jsonl', 'chat', 'tokens')},
+          'remix': {'interval': 'non-negative', 'eta': 'positive', 'floor': 'fraction'},
+          'grpo': {'group': 'positive'}, 'batch_size': 'positive', 'block_size': 'positive',
+          'gradient_accumulation_steps': 'positive',
+          'arch': {'n_layer': 'positive', 'n_embd': 'positive', 'n_head': 'positive',
+                   'n_kv_head': 'positive', 'intermediate_size': 'positive',
+                   'act': ('silu', 'relu2'), 'rope_theta': 'positive'},
+          'weight_scale': ('matrix', 'row', 'block'), 'lambda_warmup': 'fraction',
+          'subln_calib': 'non-negative', 'lrc_rank': 'non-negative', 'moe': {},
+          'lora': {'rank': 'non-negative', 'alpha': 'positive'},
+          'blend': ('switch', 'linear', 'cosine'), 'vllm': {'top_k': 'positive'},
+          'optimizer': ('adamw', 'muon'), 'max_steps': 'positive',
+          'stop_after': 'non-negative', 'learning_rate': 'positive',
+          'group_lr': {'embed': 'non-negative', 'head': 'non-negative',
+                       'scalar': 'non-negative'},
+          'min_lr': 'non-negative', 'schedule': SCHEDULES, 'warmup_steps': 'non-negative',
+          'decay_frac': 'fraction', 'weight_decay': 'non-negative',
+          'adamw': {'beta1': 'fraction', 'beta2': 'fraction'}, 'grad_clip': 'non-negative',
+          'zclip': 'non-negative', 'nan_patience': 'positive',
+          'dtype': ('float32', 'bfloat16', 'float16'), 'auto_batch': {'gib': 'non-negative'},
+          'peak_flops': 'positive'}
 _imported = set(globals())  # everything defined below, up to the ruler, is a setting
 # -----------------------------------------------------------------------------
 # default settings: a tiny ternary model on the offline corpus, trained on the CPU
@@ -81,7 +134,9 @@ wandb_project = ''     # also log to this Weights & Biases project ('': not)
 tokenizer = ''
 dataset = ''           # a folder of token shards (data.py); '' is the offline corpus
 # what dataset is made from when it is not there yet: {'train'/'val': [paths, URLs, hf://
-# files]} in a format ('text', 'jsonl', 'chat' for SFT, 'tokens' for llm.c shards)
+# files, offline tasks' files by name: 'arithmetic_sft_train' (rl.task_file),
+# 'arc_easy-test_rc_5shot-choices' (eval.choice_texts_named)]} in a format ('text',
+# 'jsonl', 'chat' for SFT, 'tokens' for llm.c shards)
 prepare = dict(files={}, format='text', text_field='text')
 mixture = {}           # {name: (folder, weight)}: prepared folders (val: dataset's)
 remix = dict(interval=0, eta=1.0, floor=0.05)  # reweigh the mixture every interval steps
@@ -155,42 +210,20 @@ seed = 1337
 peak_flops = 989e12    # for MFU: the accelerator's dense bf16 peak (H100 SXM)
 # -----------------------------------------------------------------------------
 config = {k: v for k, v in globals().items() if k not in _imported and k[0] != '_'}
-# the settings with a range (a group: its keys' ranges), checked with the types before
-# any work starts
-ranges = {'eval_interval': 'positive', 'eval_iters': 'positive', 'log_interval': 'positive',
-          'ckpt': {'interval': 'non-negative', 'keep_last': 'positive'},
-          'early_stop': {'patience': 'non-negative', 'min_delta': 'non-negative'},
-          'sample': {'tokens': 'non-negative'},
-          'prepare': {'format': ('text', 'jsonl', 'chat', 'tokens')},
-          'remix': {'interval': 'non-negative', 'eta': 'positive', 'floor': 'fraction'},
-          'grpo': {'group': 'positive'}, 'batch_size': 'positive', 'block_size': 'positive',
-          'gradient_accumulation_steps': 'positive',
-          'arch': {'n_layer': 'positive', 'n_embd': 'positive', 'n_head': 'positive',
-                   'n_kv_head': 'positive', 'intermediate_size': 'positive',
-                   'act': ('silu', 'relu2'), 'rope_theta': 'positive'},
-          'weight_scale': ('matrix', 'row', 'block'), 'lambda_warmup': 'fraction',
-          'subln_calib': 'non-negative', 'lrc_rank': 'non-negative', 'moe': {},
-          'lora': {'rank': 'non-negative', 'alpha': 'positive'},
-          'blend': ('switch', 'linear', 'cosine'), 'vllm': {'top_k': 'positive'},
-          'optimizer': ('adamw', 'muon'), 'max_steps': 'positive',
-          'stop_after': 'non-negative', 'learning_rate': 'positive',
-          'group_lr': {'embed': 'non-negative', 'head': 'non-negative',
-                       'scalar': 'non-negative'},
-          'min_lr': 'non-negative', 'schedule': SCHEDULES, 'warmup_steps': 'non-negative',
-          'decay_frac': 'fraction', 'weight_decay': 'non-negative',
-          'adamw': {'beta1': 'fraction', 'beta2': 'fraction'}, 'grad_clip': 'non-negative',
-          'zclip': 'non-negative', 'nan_patience': 'positive',
-          'dtype': ('float32', 'bfloat16', 'float16'), 'auto_batch': {'gib': 'non-negative'},
-          'peak_flops': 'positive'}
 # --check: the settings resolved and checked, printed (with their ranges) for sweeps
 check = '--check' in sys.argv[1:]
-config = configure(config, [a for a in sys.argv[1:] if a != '--check'], ranges)
+config = configure(config, [a for a in sys.argv[1:] if a != '--check'], ranges, RENAMED)
 if check:
     print(repr({'settings': config, 'ranges': ranges}))
     sys.exit()
 globals().update(config)
-try:  # where the run writes; the zero-shot tasks, fetched by one process a machine
+try:  # where the run writes, its own (one process's); the zero-shot tasks, fetched once
+    if dataset:  # shards are made there: never inside a checkpoint
+        checkpoint.check_output(dataset, 'dataset', made=True)
     checkpoint.make_out_dir(out_dir)
+    if os.environ.get('RANK', '0') == '0':  # held until the process ends
+        fresh = init_from != 'resume' and '://' not in init_from
+        folder_lock = run_state.own_folder(out_dir, fresh)
     if os.environ.get('LOCAL_RANK', '0') == '0':
         check_tasks(eval_tasks)
 except (OSError, ValueError) as e:
@@ -230,17 +263,19 @@ if '://' in init_from and local_rank == 0:
 if '://' in init_from and ddp:
     dist.barrier()
 try:
-    start, saved = checkpoint.starting_point(init_from, out_dir, master)
-    checkpoint.check_start(saved, start, config, world_size)
+    start, saved = run_state.starting_point(init_from, out_dir, master)
+    fixed = {k: config[k] for k in FIXED}
+    run_state.check_start(saved, start, fixed, world_size, stop_after, max_steps)
 except (OSError, ValueError) as e:
     sys.exit(f"error: {e}")
 base = saved['base'] if saved and lora['rank'] else start  # LoRA checkpoints: adapters only
-run_id = checkpoint.run_id(saved)  # kept across resumes: the run's upload URL is its own
+run_id = run_state.run_id(saved)  # kept across resumes: the run's upload URL is its own
 uploader = Uploader(upload_to, run_id) if upload_to and master else None  # checked now
 
 # data: the tokenizer (the model's own unless one is named, which must encode as it does;
 # a resume keeps its own), then the offline corpus or token shards data.py prepares once
-# (local rank 0). A resume sees the batches it would have seen (data.Batches).
+# (local rank 0), with the offline tasks' files it names. A resume sees the batches it
+# would have seen (data.Batches).
 try:
     own = checkpoint.tokenizer_of(start) if start and not saved else None
     wanted = tokenizer
@@ -250,7 +285,7 @@ try:
         own, saved['tokenizer'] if saved else '', wanted)
     train_data, val_data, pairs = run_data(dataset, prepare, mixture, remix['interval'],
                                            enc, tokenizer_name, tokenizer_file, dpo_data,
-                                           block_size)
+                                           block_size, (task_file, choice_texts_named))
 except (OSError, ValueError, KeyError) as e:
     sys.exit(f"error: data: {e}")
 batches_of = functools.partial(Batches, train_data, val_data, block_size=block_size,
@@ -267,7 +302,7 @@ try:
             bos_token_id=eos_id(enc), eos_token_id=eos_id(enc), linear_norm=linear_norm,
             weight_scale=weight_scale, bitnet=bitnet, **arch, **moe))
     else:  # a LoRA run's base is verified on resume as at its start (its checkpoint: already)
-        model = checkpoint.starting_model(base, base == start, enc.n_vocab, block_size, moe)
+        model = run_state.starting_model(base, base == start, enc.n_vocab, block_size, moe)
     check_fits(model.config, batch_size, block_size, device)  # before a batch is made
 except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
     sys.exit(f"error: model: {e}")
@@ -368,11 +403,12 @@ elif lr_find:  # throwaway optimizers; the model is put back afterwards
     min_lr = min_lr * found / learning_rate
     learning_rate = found
     config |= dict(learning_rate=learning_rate, min_lr=min_lr)  # saved with the settings
-# the run's state (checkpoint.TrainState: all a checkpoint saves), restored on a resume
+# the run's state (run_state.TrainState: all a checkpoint saves), restored on a resume
 run = TrainState(raw_model, new_optimizers(learning_rate), scaler,
                  ZClip(zclip, max_norm=grad_clip) if zclip else None, batches.loader,
                  rollouts, config, tokenizer_name, tokenizer_file, base, run_id,
-                 checkpoint.git_commit())
+                 run_state.git_commit(), out_dir=out_dir, keep_last=ckpt['keep_last'],
+                 fsdp=fsdp, zero1=zero1, lora=lora)
 if saved:
     run.restore(saved, rank, device_type, fsdp)
     if master:

@@ -11,16 +11,14 @@
 # the validation split, which no training text holds (tests/test_task_conversion.py).
 #   python train.py config/arc_student.py --init_from=DIR --teacher=DIR   # offline: a folder
 #   python eval.py --ckpt=out-arc-student --tasks=arc_easy               # acc, acc_norm
-from eval import choice_texts_file
-
 out_dir = 'out-arc-student'
 init_from = 'HuggingFaceTB/SmolLM2-135M-Instruct'
 teacher = 'HuggingFaceTB/SmolLM2-135M-Instruct'
 bitnet = True
 weight_scale = 'row'
 dataset = 'data/arc-easy-test-smollm2'
-prepare = dict(files={'train': choice_texts_file('arc_easy', 'test_rc_5shot')},
-               format='jsonl')
+# the choice texts eval.choice_texts_file makes, when the run starts
+prepare = dict(files={'train': 'arc_easy-test_rc_5shot-choices'}, format='jsonl')
 objectives = {'block': {}, 'kd': {'temperature': 5.0}, 'attn': {'layer': -1, 'heads': 4}}
 curriculum = [(0.25, {'block': 1.0}), (1.0, {'kd': 1.0, 'attn': 1.0})]
 batch_size = 16

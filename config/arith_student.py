@@ -16,17 +16,14 @@
 #   --init_from=scratch --tokenizer=out-arith-teacher "--arch={'n_layer': 30, 'n_embd': 576,
 #   'n_head': 9, 'n_kv_head': 3, 'intermediate_size': 1536, 'act': 'silu',
 #   'rope_theta': 100000.0, 'tie_embeddings': True}"  (the teacher's shape)
-import rl
-
 out_dir = 'out-arith-student'
 init_from = 'out-arith-teacher'
 teacher = 'out-arith-teacher'
 bitnet = True
 weight_scale = 'row'
 dataset = 'data/arithmetic-splits-smollm2'
-_splits = rl.arithmetic_splits()
-prepare = dict(files={'train': _splits['sft_train'], 'val': _splits['sft_val']},
-               format='chat')
+prepare = dict(files={'train': 'arithmetic_sft_train', 'val': 'arithmetic_sft_val'},
+               format='chat')  # rl.py's files, made when the run starts
 objectives = {'block': {}, 'ce': {}, 'kd': {'temperature': 5.0},
               'attn': {'layer': -1, 'heads': 4}}
 curriculum = [(0.25, {'block': 1.0}), (1.0, {'ce': 1.0, 'kd': 1.0, 'attn': 1.0})]

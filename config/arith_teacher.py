@@ -5,15 +5,12 @@
 #   python train.py config/arith_teacher.py --init_from=DIR   # offline: a folder with the model
 #   python rl.py --ckpt=out-arith-teacher                     # its held-out accuracy, greedy
 # Stage 2 converts it to ternary and distils it on the same prompts: config/arith_student.py.
-import rl
-
 out_dir = 'out-arith-teacher'
 init_from = 'HuggingFaceTB/SmolLM2-135M-Instruct'
 bitnet = False
 dataset = 'data/arithmetic-splits-smollm2'
-_splits = rl.arithmetic_splits()
-prepare = dict(files={'train': _splits['sft_train'], 'val': _splits['sft_val']},
-               format='chat')
+prepare = dict(files={'train': 'arithmetic_sft_train', 'val': 'arithmetic_sft_val'},
+               format='chat')  # rl.py's files, made when the run starts
 batch_size = 16
 block_size = 96        # a chat row is about 70 tokens
 max_steps = 60

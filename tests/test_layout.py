@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # samples
 LEVELS = {'kernels': 0, 'hub': 0, 'tokenizer': 0, 'report': 0, 'bitlinear': 1, 'moe': 1,
           'hf_layout': 1, 'model': 2, 'objectives': 3, 'optim': 3, 'data': 3, 'lora': 3, 'gguf_export': 3,
-          'configurator': 3, 'checkpoint': 4, 'engine': 4, 'teachers': 5, 'remote': 5,
+          'configurator': 3, 'checkpoint': 4, 'engine': 4, 'teachers': 5, 'remote': 5, 'run_state': 5,
           'eval': 5, 'rl': 5, 'arms': 5, 'train': 6, 'sample': 6, 'export': 6, 'teach': 6,
           'bench': 6, 'sweep': 6}
 BESIDE = {('tokenizer', 'hub'), ('hub', 'report'), ('hf_layout', 'moe')}
@@ -141,7 +141,7 @@ def test_train_is_settings_then_a_short_set_up_then_the_loop():
 def test_train_functions_take_what_they_use():
     """No function of train.py reads more than 5 module-level names that are neither
     settings, imports, functions nor constants: the run's state travels as arguments or in
-    checkpoint.TrainState, not through a web of globals."""
+    run_state.TrainState, not through a web of globals."""
     source = open(os.path.join(ROOT, 'train.py')).read()
     module = ast.parse(source)
     kinds = module_names(module.body)

@@ -490,3 +490,57 @@ def test_fsdp_refuses_what_it_cannot_do(tmp_path):
     assert r.returncode == 1 and r.stderr.count('\n') == 1 and 'fsdp=True runs under torchrun' in r.stderr
     r = torchrun(['--fsdp=True', '--optimizer=muon', '--max_steps=1', '--gradient_accumulation_steps=2', f'--out_dir={tmp_path}'])
     assert r.returncode != 0 and [line for line in r.stderr.splitlines() if 'Muon' in line], r.stderr
+
+
+def snapshot(folder):
+    """Every file under a run's folder and its sha256, its lock file aside."""
+    found = {}
+    for here, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(here, name)
+            if name != '.lock':
+                found[os.path.relpath(path, folder)] = hashlib.sha256(open(path, 'rb').read()).hexdigest()
+    return found
+
+
+def test_a_fresh_run_never_replaces_another_runs_folder(tmp_path):
+    """`python train.py` twice into one out_dir: the second is refused in one line naming the folder
+    and the ways on, before any work, and the first run's checkpoints and log are byte for byte as they
+    were; a resume of it still runs. A folder holding other files only is no run's."""
+    out = str(tmp_path / 'out')
+    r = run(['--max_steps=2', f'--out_dir={out}'])
+    assert r.returncode == 0, r.stderr
+    before = snapshot(out)
+    assert 'log.jsonl' in before and any(p.startswith('ckpt_0000002') for p in before)
+    r = run(['--max_steps=2', f'--out_dir={out}'])
+    assert r.returncode == 1 and r.stderr.count('\n') == 1, r.stderr
+    assert out in r.stderr and '--init_from=resume' in r.stderr and '--out_dir' in r.stderr
+    assert snapshot(out) == before
+    r = run(['--max_steps=3', f'--out_dir={out}', '--init_from=resume'])
+    assert r.returncode == 0, r.stderr
+    assert [rec['step'] for rec in log(out)] == [1, 2, 3]
+    notes = tmp_path / 'notes'
+    notes.mkdir()
+    (notes / 'README.txt').write_text('my notes')
+    r = run(['--max_steps=1', f'--out_dir={notes}'])
+    assert r.returncode == 0, r.stderr
+
+
+def test_one_process_at_a_time_in_a_run_folder_and_a_killed_one_leaves_no_lock(tmp_path):
+    """While a run writes its folder, a second process, resuming or fresh, is refused in one line and
+    writes nothing there; once the first is killed (SIGKILL: no clean-up ran), a resume takes the
+    folder and finishes the run."""
+    out = str(tmp_path / 'out')
+    args = ['--max_steps=6', '--ckpt.interval=2', f'--out_dir={out}']
+    proc = start(args, save_delay=5.0)
+    wait_for(os.path.join(out, 'ckpt_0000002'), proc)
+    for second in (['--init_from=resume'], []):
+        r = run([*args, *second])
+        assert r.returncode == 1 and r.stderr.count('\n') == 1, r.stderr
+        assert 'in use by another run' in r.stderr and out in r.stderr
+    assert proc.poll() is None  # still the only writer
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    r = run([*args, '--init_from=resume'])
+    assert r.returncode == 0, r.stderr
+    assert 'resumed from' in r.stdout and [rec['step'] for rec in log(out)] == list(range(1, 7))

@@ -267,3 +267,41 @@ def test_lora_under_ddp_matches_one_process(tmp_path):
     assert r.returncode == 0, r.stderr
     a, b = log(tmp_path / 'one'), log(tmp_path / 'two')
     assert len(a) == len(b) == 4 and all(abs(x['loss'] - y['loss']) <= 1e-5 for x, y in zip(a, b))
+
+
+def test_a_lora_checkpoint_opens_only_on_the_base_it_was_trained_on(tmp_path):
+    """A LoRA run records its base's identity. Its base damaged (a flipped byte: the manifest tells),
+    or replaced by another intact model at the same path, sample.py, eval.py and export.py refuse the
+    adapters in one line, as a resume of the LoRA run does; the base put back, they all run."""
+    hf, base_run, other, out = (str(tmp_path / n) for n in ('hf', 'base', 'other', 'lora'))
+    tiny().save_pretrained(hf)
+    for folder, seed in ((base_run, 1), (other, 2)):
+        r = run([*TINY, f'--init_from={hf}', '--max_steps=1', '--eval_interval=1', f'--seed={seed}', f'--out_dir={folder}'])
+        assert r.returncode == 0, r.stderr
+    base = os.path.join(base_run, 'ckpt_0000001')
+    r = run([*TINY, f'--init_from={base_run}', '--lora.rank=4', '--max_steps=2', '--eval_interval=2', f'--out_dir={out}'])
+    assert r.returncode == 0, r.stderr
+    readers = [('sample.py', [f'--ckpt={out}', '--num_tokens=3', '--temperature=0']),
+               ('eval.py', [f'--ckpt={out}', '--eval_iters=1']),
+               ('export.py', [f'--ckpt={out}', f'--gguf={tmp_path / "lora.gguf"}']),
+               ('train.py', [*TINY, f'--out_dir={out}', '--init_from=resume', '--lora.rank=4', '--max_steps=3'])]
+    shutil.copytree(base, tmp_path / 'saved')
+    weights = os.path.join(base, 'model.safetensors')
+    flipped = bytearray(open(weights, 'rb').read())
+    flipped[-7] ^= 1
+    open(weights, 'wb').write(bytes(flipped))
+    for script, args in readers:
+        r = run(args, script=script)
+        assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, (script, r.stderr)
+        assert 'sha256' in r.stderr or 'damaged' in r.stderr or 'changed' in r.stderr, (script, r.stderr)
+    shutil.rmtree(base)
+    shutil.copytree(os.path.join(other, 'ckpt_0000001'), base)  # intact, manifest and all: another model
+    for script, args in readers:
+        r = run(args, script=script)
+        assert r.returncode != 0 and 'its files have changed since' in r.stderr, (script, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1, (script, r.stderr)
+    shutil.rmtree(base)
+    shutil.copytree(tmp_path / 'saved', base)
+    for script, args in readers[:2] + readers[3:]:
+        r = run(args, script=script)
+        assert r.returncode == 0, (script, r.stderr)

@@ -427,3 +427,38 @@ def test_a_micro_batch_larger_than_the_machine_is_one_line_before_it_is_made(tmp
                         r"more than the RAM \([\d,.]+ GiB\); lower batch_size and raise gradient_accumulation_steps\n",
                         r.stderr), r.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_a_run_writes_into_no_checkpoint_model_or_other_output(tmp_path):
+    """train.py's out_dir and dataset inside a checkpoint, or out_dir a model's folder; export.py's
+    --merge onto a model, a run folder or a file, its --gguf onto a folder: each refused in one line
+    before any work, nothing there changed. A `.tmp_ckpt_*` link in the run's folder (where a save
+    is written first) is removed, and the save lands in the run's folder, not the link's target."""
+    run_dir, hf, elsewhere = tmp_path / 'run', tmp_path / 'hf', tmp_path / 'elsewhere'
+    assert run('train.py', *TINY, '--max_steps=2', f'--out_dir={run_dir}').returncode == 0
+    from model import ModelConfig, Transformer
+    Transformer(ModelConfig(vocab_size=300, n_layer=1, n_embd=32, n_head=2, n_kv_head=1, intermediate_size=64,
+                            max_seq_len=64)).save_pretrained(str(hf))
+    (tmp_path / 'notes.txt').write_text('mine')
+    before = files(tmp_path)
+    ckpt = run_dir / 'ckpt_0000002'
+    text = tmp_path / 'notes.txt'
+    for script, args, says in (
+            ('train.py', [*TINY, '--max_steps=1', f'--out_dir={ckpt}'], 'inside the checkpoint'),
+            ('train.py', [*TINY, '--max_steps=1', f'--out_dir={ckpt / "sub"}'], 'inside the checkpoint'),
+            ('train.py', [*TINY, '--max_steps=1', f'--out_dir={tmp_path / "new"}', f'--dataset={ckpt / "data"}',
+                          f"--prepare.files={{'train': '{text}'}}"], 'inside the checkpoint'),
+            ('train.py', [*TINY, '--max_steps=1', f'--out_dir={hf}'], "is a model's folder"),
+            ('export.py', [f'--ckpt={run_dir}', f'--merge={hf}'], 'is already there'),
+            ('export.py', [f'--ckpt={run_dir}', f'--merge={run_dir}'], 'is already there'),
+            ('export.py', [f'--ckpt={run_dir}', f'--merge={text}'], 'is already there'),
+            ('export.py', [f'--ckpt={run_dir}', f'--gguf={tmp_path}'], 'is a folder')):
+        r = run(script, *args)
+        assert one_line_error(r) and says in r.stderr, (script, args, r.stderr)
+    assert files(tmp_path) == before
+    elsewhere.mkdir()
+    os.symlink(elsewhere, run_dir / '.tmp_ckpt_0000003', target_is_directory=True)
+    r = run('train.py', *TINY, '--max_steps=3', f'--out_dir={run_dir}', '--init_from=resume')
+    assert r.returncode == 0, r.stderr
+    assert os.listdir(elsewhere) == [] and (run_dir / 'ckpt_0000003').is_dir()
+    assert not (run_dir / 'ckpt_0000003').is_symlink() and not os.path.lexists(run_dir / '.tmp_ckpt_0000003')

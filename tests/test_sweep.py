@@ -262,3 +262,56 @@ def test_an_arms_log_cut_off_mid_line_gives_its_last_whole_record(tmp_path, caps
     row = sweep_arms.table(state)[0]
     assert (row['step'], row['loss'], row['val_loss'], row['tokens']) == (4, 2.5, 2.75, 512)
     assert 'line 2 is cut off or no record; dropping it' in capsys.readouterr().err
+
+
+def test_a_sweep_never_takes_a_folder_it_did_not_make(tmp_path):
+    """A run of the user's at S/a, then a sweep in S with an arm a: the arm fails in one line, the
+    user's checkpoints and log stay byte for byte, and the other arm trains."""
+    user = tmp_path / 'sweep' / 'a'
+    cmd = [sys.executable, 'train.py', *sweep_arms.arguments(TINY), '--max_steps=4', '--ckpt.interval=2',
+           '--sample.tokens=0', f'--out_dir={user}']
+    assert subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=600).returncode == 0
+    files = lambda: {p: open(os.path.join(h, p), 'rb').read() for h, _, ps in os.walk(user) for p in ps}
+    before = files()
+    r = run(write_sweep(tmp_path, {'a': {}, 'b': {}}, chunks=2))
+    assert r.returncode == 0, r.stderr
+    assert 'error: arm a: ' in r.stderr and 'was not made by this sweep' in r.stderr
+    assert files() == before
+    status = {row['arm']: row['status'] for row in tables(tmp_path / 'sweep')[-1]}
+    assert status['a'].startswith('failed: ') and status['b'] == 'done'
+
+
+def test_one_sweep_process_at_a_time_and_a_killed_one_leaves_no_lock(tmp_path):
+    """While sweep.py runs a sweep, a second sweep.py on it is refused in one line; a command to the
+    running sweep is still taken. Killed (SIGKILL), it leaves nothing stuck: the next one finishes it."""
+    path = write_sweep(tmp_path, {'a': {}, 'b': {'learning_rate': 1e-3}})
+    proc = subprocess.Popen([sys.executable, 'sweep.py', path], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    t0 = time.time()
+    while not os.path.exists(tmp_path / 'sweep' / 'a' / 'ckpt_0000002'):
+        assert proc.poll() is None and time.time() - t0 < 300
+        time.sleep(0.05)
+    r = run(path)
+    assert r.returncode == 1 and r.stderr.count('\n') == 1 and 'running in another process' in r.stderr
+    assert run(str(tmp_path / 'sweep'), 'stop', 'b').returncode == 0
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    r = run(path)
+    assert r.returncode == 0, r.stderr
+    status = {row['arm']: row['status'] for row in tables(tmp_path / 'sweep')[-1]}
+    assert status == {'a': 'done', 'b': 'stopped'}
+
+
+@pytest.mark.parametrize('arms, says', [
+    ("{'a': {}, 'a': {'learning_rate': 1e-3}}", "the arm 'a' is named twice"),
+    ("{'learning_rate=0.001': {}}\ngrid = {'learning_rate': [0.001, 0.002]}", "'learning_rate=0.001' is named twice"),
+    ("{'b': {}, 'b.stderr': {}}", "arm 'b.stderr': an arm's name is its folder's"),
+    ("{'../up': {}}", "arm '../up': an arm's name is its folder's"),
+    ("{'sweep.json': {}}", "arm 'sweep.json': an arm's name is its folder's"),
+])
+def test_arm_names_are_unique_and_safe_as_file_names_before_any_work(tmp_path, arms, says):
+    path = tmp_path / 'names.py'
+    path.write_text(f"out_dir = {str(tmp_path / 'sweep')!r}\nbase = {TINY!r}\nmax_steps = 8\nchunks = 2\narms = {arms}\n")
+    r = run(str(path))
+    assert r.returncode == 1 and r.stderr.count('\n') == 1 and says in r.stderr, r.stderr
+    assert not os.path.exists(tmp_path / 'sweep')

