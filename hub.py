@@ -90,8 +90,8 @@ def within(limit, server, setting, call, *args, **kwargs):
     worker.start()
     worker.join(limit)
     if worker.is_alive():
-        raise TimeoutError(f"{server} did not answer within {limit:g}s; check it, "
-                           f"or set {setting}=SECONDS higher")
+        raise TimeoutError(f"{hide_credentials(server)} did not answer within {limit:g}s; "
+                           f"check it, or set {setting}=SECONDS higher")
     if 'error' in outcome:
         raise outcome['error']
     return outcome['value']
@@ -135,6 +135,32 @@ def linked_size(response):
     return None
 
 
+# what in a URL is a credential: a password in its user part, and the query values that
+# sign or authorize a request (S3's and other presigned URLs, tokens in the query)
+PASSWORD = re.compile(r'(//[^/@\s:]*):[^/@\s]*@')
+SIGNATURE = re.compile(r'([?&](?:x-amz-signature|x-amz-credential|x-amz-security-token|signature'
+                       r'|sig|token|access_token|api_key|apikey|key|password)=)[^&#\s]*', re.I)
+
+
+def hide_credentials(text):
+    """text with every URL's password and signing query values as ***: what may be
+    printed, logged or saved (a URL's credentials are the user's, and logs and
+    checkpoints travel)."""
+    return SIGNATURE.sub(r'\1***', PASSWORD.sub(r'\1:***@', text))
+
+
+def settings_shown(value):
+    """Settings (a dict, list or tuple of them, or one) with hide_credentials applied to
+    every string: the settings a run prints, logs and saves in its checkpoints."""
+    if isinstance(value, str):
+        return hide_credentials(value)
+    if isinstance(value, dict):
+        return {k: settings_shown(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(settings_shown(v) for v in value)
+    return value
+
+
 def endpoint():
     return os.environ.get('HF_ENDPOINT', 'https://huggingface.co').rstrip('/')
 
@@ -167,11 +193,13 @@ def download(url, dest, timeout=60, wait=3600, tries=3):
     """Fetch url to dest once (a file already there is kept); returns dest."""
     if os.path.exists(dest):
         return dest
+    shown = hide_credentials(url)  # in every message
     if local_rank() != 0:
-        return wait_for(dest, f"download {url}", wait)
+        return wait_for(dest, f"download {shown}", wait)
     local = "or download it yourself and pass its local path"
     if os.environ.get('HF_HUB_OFFLINE', '0') not in ('0', ''):
-        raise DownloadError(f"{url} is not at {dest} and HF_HUB_OFFLINE is set; unset it, {local}")
+        raise DownloadError(f"{shown} is not at {dest} and HF_HUB_OFFLINE is set; unset it, "
+                            f"{local}")
     os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
     part = dest + '.part'
     # identity: the bytes as stored, so that Range offsets and the sha256 are the file's
@@ -192,17 +220,17 @@ def download(url, dest, timeout=60, wait=3600, tries=3):
                 sha = linked_sha256(r)
                 code = r.status_code
                 if code in (401, 403):
-                    raise DownloadError(f"{url}: HTTP {code}, not authorized; "
+                    raise DownloadError(f"{shown}: HTTP {code}, not authorized; "
                                         f"gated/private repo? set HF_TOKEN to a token "
                                         f"that can read it, {local}", code)
                 if code == 404:
-                    raise DownloadError(f"{url}: HTTP 404, not found; check the repo "
+                    raise DownloadError(f"{shown}: HTTP 404, not found; check the repo "
                                         f"id, revision and file name, {local}", 404)
                 # the part already holds the whole file: a crash came before the rename
                 if code == 416:
                     break
                 if code >= 400:
-                    message = f"{url}: HTTP {code}; try again later, {local}"
+                    message = f"{shown}: HTTP {code}; try again later, {local}"
                     raise DownloadError(message, code)
                 if code != 206:
                     have = 0  # 200: the server ignored the Range
@@ -219,20 +247,20 @@ def download(url, dest, timeout=60, wait=3600, tries=3):
                         show(have)
                         if size and have > size:  # never past what the server announced
                             os.remove(part)
-                            raise DownloadError(f"{url} sends more than the {size:,} bytes "
+                            raise DownloadError(f"{shown} sends more than the {size:,} bytes "
                                                 f"it announced; {local}")
                 show(have, last=True)
             break
         except (requests.ConnectionError, requests.Timeout, urllib3.exceptions.HTTPError) as e:
             err = type(e).__name__  # a cut transfer: next try resumes from what arrived
     else:
-        raise DownloadError(f"cannot download {url} ({err}); check network, HF_ENDPOINT, {local}")
+        raise DownloadError(f"cannot download {shown} ({err}); check network, HF_ENDPOINT, {local}")
     if sha:
         with open(part, 'rb') as f:
             got = hashlib.file_digest(f, 'sha256').hexdigest()
         if got != sha:
             os.remove(part)
-            raise DownloadError(f"{url}: sha256 {got[:16]}... is not the hub's {sha[:16]}...; "
+            raise DownloadError(f"{shown}: sha256 {got[:16]}... is not the hub's {sha[:16]}...; "
                                 f"the corrupt file was deleted, run again")
     os.replace(part, dest)
     return dest
@@ -265,8 +293,11 @@ def fetch(src, folder=None):
         url, dest = hub_file(m[2], m[4], kind, m[3] or 'main')
     elif src.startswith(('http://', 'https://')):
         url = src
-        name = re.sub(r'[^\w.-]', '_', src.split('://', 1)[1])
-        dest = inside(os.path.join(cache_dir(), 'urls'), name, 'URL as a file name')
+        # its host and path, and a hash of the whole URL: never a credential in a name
+        parts = urllib.parse.urlsplit(src)
+        plain = re.sub(r'[^\w.-]', '_', f"{parts.hostname}{parts.path}")[-120:]
+        digest = hashlib.sha256(src.encode()).hexdigest()[:12]
+        dest = inside(os.path.join(cache_dir(), 'urls'), f"{digest}-{plain}", 'URL as a file name')
     elif os.path.exists(src):
         return src
     else:

@@ -24,7 +24,7 @@ import threading
 import time
 
 import checkpoint
-from hub import endpoint, inside, plain_name, seconds, token_header, within
+from hub import endpoint, hide_credentials, inside, plain_name, seconds, token_header, within
 
 SECRET_WORDS = ('KEY', 'SECRET', 'TOKEN', 'PASSWORD', 'CREDENTIAL')
 CKPT = checkpoint.NAME  # a checkpoint's folder, as checkpoint.save names it (ASCII digits)
@@ -33,7 +33,7 @@ OWNER = 'owner'
 
 def masked(error):
     """An error as one line, with every credential-like environment value masked."""
-    text = f"{type(error).__name__}: {error}".splitlines()[0]
+    text = hide_credentials(f"{type(error).__name__}: {error}".splitlines()[0])
     for name, value in os.environ.items():
         if any(w in name.upper() for w in SECRET_WORDS) and len(value) >= 8:
             text = text.replace(value, '***')
@@ -101,9 +101,9 @@ class Fsspec:
     def __init__(self, url):
         if url.startswith('hf://') and not token_header(endpoint()) and \
                 os.environ.get('HF_TOKEN'):  # huggingface_hub would send it anyway
-            raise ValueError(f"HF_ENDPOINT={endpoint()} is plain http to another machine, "
-                             "where HF_TOKEN would travel readable; use https, or unset "
-                             "HF_TOKEN")
+            raise ValueError(f"HF_ENDPOINT={hide_credentials(endpoint())} is plain http to "
+                             "another machine, where HF_TOKEN would travel readable; use "
+                             "https, or unset HF_TOKEN")
         import fsspec
         self.fs, self.root = fsspec.core.url_to_fs(url)
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from checkpoint import (NAME, STATE, check_base, checkpoints, find, identity, latest, load,
                         open_found, read_state, save)
+from hub import settings_shown
 from lora import save_adapters
 
 LOCK = '.lock'  # in a run's folder: held by the one process that writes there
@@ -254,7 +255,8 @@ class TrainState:
         return dict(step=self.step, best_val=self.best_val, best_step=self.best_step,
                     bad_evals=self.bad_evals, base=self.base,
                     base_identity=self.base_identity, optimizers=optimizers,
-                    scaler=self.scaler.state_dict(), rng=ranks, config=self.config,
+                    scaler=self.scaler.state_dict(), rng=ranks,
+                    config=settings_shown(self.config),  # no URL's credentials
                     commit=self.commit, tokenizer=self.tokenizer, run_id=self.run_id,
                     zclip=self.zclip.state_dict() if self.zclip else None)
 

@@ -21,7 +21,7 @@ import requests
 import torch
 
 from checkpoint import load
-from hub import chunks
+from hub import chunks, hide_credentials
 from objectives import run_model
 
 
@@ -149,9 +149,10 @@ class RemoteTeacher:
                 if attempt < self.retries:
                     time.sleep(self.backoff * 2 ** attempt)
         tries = self.retries + 1
-        raise SystemExit(f"error: teacher server {self.url} failed after {tries} tries "
-                         f"({error}); check that vLLM serves {self.model!r} there, with "
-                         f"the student's tokenizer and --max-logprobs >= {self.top_k}")
+        message = (f"error: teacher server {self.url} failed after {tries} tries ({error}); "
+                   f"check that vLLM serves {self.model!r} there, with the student's "
+                   f"tokenizer and --max-logprobs >= {self.top_k}")
+        raise SystemExit(hide_credentials(message))  # a password in the URL never shown
 
     def __call__(self, x, y, hidden=False, qkv_layer=None, keep=None):
         """Top-k logprobs only, (B, T, k) or at the `keep` positions (N, k)

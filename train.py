@@ -39,6 +39,7 @@ from configurator import configure
 from data import Batches, run_data
 from engine import complete
 from eval import check_tasks, choice_texts_named, token_bytes, val_loss, zero_shot
+from hub import settings_shown
 from kernels import holding_weights
 from lora import check_lora, set_adapters, setup_lora
 from model import ModelConfig, Transformer
@@ -214,7 +215,7 @@ config = {k: v for k, v in globals().items() if k not in _imported and k[0] != '
 check = '--check' in sys.argv[1:]
 config = configure(config, [a for a in sys.argv[1:] if a != '--check'], ranges, RENAMED)
 if check:
-    print(repr({'settings': config, 'ranges': ranges}))
+    print(repr({'settings': settings_shown(config), 'ranges': ranges}))
     sys.exit()
 globals().update(config)
 try:  # where the run writes, its own (one process's); the zero-shot tasks, fetched once
@@ -425,7 +426,7 @@ def batch_ce(m, b):
 
 
 # the training loop
-wandb = start_wandb(wandb_project, config) if master else None
+wandb = start_wandb(wandb_project, settings_shown(config)) if master else None
 tokens_per_step = gradient_accumulation_steps * world_size * batch_size * block_size
 log_path = os.path.join(out_dir, 'log.jsonl')
 if master and saved:

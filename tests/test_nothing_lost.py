@@ -462,3 +462,45 @@ def test_a_run_writes_into_no_checkpoint_model_or_other_output(tmp_path):
     assert r.returncode == 0, r.stderr
     assert os.listdir(elsewhere) == [] and (run_dir / 'ckpt_0000003').is_dir()
     assert not (run_dir / 'ckpt_0000003').is_symlink() and not os.path.lexists(run_dir / '.tmp_ckpt_0000003')
+
+
+def test_a_urls_credentials_are_in_no_message_and_no_file_name(tmp_path, monkeypatch):
+    """A data URL with a password (user:PASSWORD@host) or a presigned query (X-Amz-Signature,
+    X-Amz-Credential): the one-line error of a missing file shows *** in their place, and a file
+    that downloads is cached under a name made of the host, the path and a hash, never of them; so
+    is a password in HF_ENDPOINT shown nowhere when the hub's file is missing."""
+    import http.server
+    import threading
+    import hub
+
+    class Files(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b'hello\n' if self.path.startswith('/there.txt') else b''
+            self.send_response(200 if body else 404)
+            self.send_header('Content-Length', str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Files)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv('NANOBITNET_CACHE', str(tmp_path / 'cache'))
+    host = f'127.0.0.1:{server.server_address[1]}'
+    secrets = ['pa55-word-x', 'AKIAEXAMPLE42', 'sig0123456789abcdef']
+    signed = f'?X-Amz-Algorithm=AWS4&X-Amz-Credential={secrets[1]}&X-Amz-Signature={secrets[2]}'
+    try:
+        for url in (f'http://user:{secrets[0]}@{host}/missing.txt', f'http://{host}/missing.txt{signed}'):
+            with pytest.raises(hub.DownloadError) as missing:
+                hub.fetch(url)
+            assert not any(s in str(missing.value) for s in secrets) and '***' in str(missing.value)
+        monkeypatch.setenv('HF_ENDPOINT', f'http://user:{secrets[0]}@{host}')
+        with pytest.raises(hub.DownloadError) as missing:
+            hub.fetch('hf://datasets/org/name/missing.txt')
+        assert secrets[0] not in str(missing.value) and 'user:***@' in str(missing.value)
+        path = hub.fetch(f'http://user:{secrets[0]}@{host}/there.txt{signed}')
+    finally:
+        server.shutdown()
+    assert open(path).read() == 'hello\n'
+    names = [n for _, _, ns in os.walk(tmp_path / 'cache') for n in ns]
+    assert names and not any(s in n for n in names for s in secrets) and 'there.txt' in os.path.basename(path)

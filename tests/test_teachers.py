@@ -166,3 +166,38 @@ def test_a_slow_or_endless_reply_ends_in_one_line_within_the_deadline(body_bytes
         server.shutdown()
     assert says in str(refused.value) and '\n' not in str(refused.value)
     assert time.monotonic() - start < 10
+
+
+def test_a_teacher_urls_password_is_never_printed_logged_or_saved(tmp_path):
+    """--teacher=http://user:PASSWORD@host: the one-line error of a bad server, what --check prints and
+    the settings a checkpoint saves (train_state.pt, which is uploaded) show *** where the password was."""
+    secret = 'hunter2-s3cret'
+    server, url = vllm_stub('word key')
+    with_password = url.replace('http://', f'http://student:{secret}@')
+    teacher = RemoteTeacher(with_password, 'tiny', top_k=3, retries=0, backoff=0.01, vocab_size=VOCAB)
+    x = torch.tensor([[3, 7, 11, 49]])
+    try:
+        with pytest.raises(SystemExit) as refused:
+            teacher(x, x)
+    finally:
+        server.shutdown()
+    assert secret not in str(refused.value) and 'student:***@' in str(refused.value)
+    server, url = vllm_stub()
+    with_password = url.replace('http://', f'http://student:{secret}@')
+    args = [sys.executable, 'train.py', f'--teacher={with_password}', '--vllm.model=tiny', "--objectives={'kd': {}}",
+            "--curriculum=[(1.0, {'kd': 1.0})]", '--vllm.top_k=3', '--arch.n_layer=1', '--arch.n_embd=32',
+            '--arch.n_head=2', '--arch.n_kv_head=1', '--arch.intermediate_size=64', '--batch_size=2',
+            '--block_size=16', '--max_steps=1', '--eval_iters=1', '--sample.tokens=0', f'--out_dir={tmp_path}']
+    try:
+        checked = subprocess.run([*args, '--check'], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    finally:
+        server.shutdown()
+    assert checked.returncode == 0 and secret not in checked.stdout and 'student:***@' in checked.stdout
+    assert r.returncode == 0, r.stderr
+    assert server.requests > 0 and secret not in r.stdout + r.stderr
+    state = torch.load(tmp_path / 'ckpt_0000001' / 'train_state.pt', weights_only=True)
+    assert state['config']['teacher'] == url.replace('http://', 'http://student:***@')
+    for folder, _, names in os.walk(tmp_path):
+        for name in names:
+            assert secret.encode() not in open(os.path.join(folder, name), 'rb').read(), name
