@@ -32,6 +32,11 @@ from report import Progress
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'chat_template.jinja')
 # fewer than STALL_BYTES in STALL_SECONDS (or a silent read that long) ends a try: stalled
 STALL_BYTES, STALL_SECONDS = 1 << 16, 30.0
+# a whole download, from its request on, gets the header limit plus its size at MIN_RATE
+# bytes a second; a reply that states no size counts as its cap: a hub repo's files past
+# 10 MB are LFS files, which state theirs; any other URL's, 1 GiB
+MIN_RATE = 100 * 1024
+HUB_UNSIZED, URL_UNSIZED = 10 * 2 ** 20, 2 ** 30
 
 
 class DownloadError(OSError):
@@ -189,8 +194,10 @@ def chunks(response):
             raise requests.ReadTimeout(f"stalled: under {STALL_BYTES} bytes in {STALL_SECONDS}s")
 
 
-def download(url, dest, timeout=60, wait=3600, tries=3):
-    """Fetch url to dest once (a file already there is kept); returns dest."""
+def download(url, dest, timeout=60, wait=3600, tries=3, unsized=URL_UNSIZED):
+    """Fetch url to dest once (a file already there is kept); returns dest. A reply
+    that states no size may send at most `unsized` bytes; each try ends by its deadline
+    (MIN_RATE)."""
     if os.path.exists(dest):
         return dest
     shown = hide_credentials(url)  # in every message
@@ -211,6 +218,7 @@ def download(url, dest, timeout=60, wait=3600, tries=3):
         headers = {**auth, 'Range': f'bytes={have}-'} if have else auth
         try:
             limits = (timeout, STALL_SECONDS)  # to connect; between two reads
+            requested = time.monotonic()
             try:  # the status and headers: in time, however slowly they trickle
                 reply = within(header_limit, url, 'NANOBITNET_HUB_TIMEOUT', requests.get,
                                url, headers=headers, stream=True, timeout=limits)
@@ -239,16 +247,24 @@ def download(url, dest, timeout=60, wait=3600, tries=3):
                 announced = r.headers.get('Content-Length', '')
                 size = have + int(announced) if announced.isdecimal() else 0
                 size = linked_size(r) or size
+                most = size or unsized
+                limit = header_limit + most / MIN_RATE
                 show = Progress(f"download {os.path.basename(dest)}", size, start=have)
                 with open(part, 'ab' if have else 'wb') as f:
                     for chunk in chunks(r):
                         f.write(chunk)
                         have += len(chunk)
                         show(have)
-                        if size and have > size:  # never past what the server announced
+                        if have > most:  # never past what the server announced, or the cap
                             os.remove(part)
-                            raise DownloadError(f"{shown} sends more than the {size:,} bytes "
-                                                f"it announced; {local}")
+                            said = 'it announced' if size else 'a reply of no stated size may send'
+                            raise DownloadError(f"{shown} sends more than the {most:,} bytes "
+                                                f"{said}; {local}")
+                        if time.monotonic() - requested > limit:
+                            raise DownloadError(f"{shown} did not arrive within {limit:.0f}s "
+                                                f"(at {MIN_RATE // 1024} KiB/s at least); check "
+                                                f"the server, or set NANOBITNET_HUB_TIMEOUT "
+                                                f"higher, {local}")
                 show(have, last=True)
             break
         except (requests.ConnectionError, requests.Timeout, urllib3.exceptions.HTTPError) as e:
@@ -280,7 +296,7 @@ def hub_file(repo_id, filename, repo_type='model', revision='main'):
 
 def hub_download(repo_id, filename, repo_type='model', revision='main'):
     """A file of a hub repo (model or dataset), cached under cache_dir()."""
-    return download(*hub_file(repo_id, filename, repo_type, revision))
+    return download(*hub_file(repo_id, filename, repo_type, revision), unsized=HUB_UNSIZED)
 
 
 def fetch(src, folder=None):
@@ -305,7 +321,7 @@ def fetch(src, folder=None):
                                 f"an https:// URL or hf://datasets/owner/name/file")
     if folder:
         dest = os.path.join(folder, os.path.basename(dest))
-    return download(url, dest)
+    return download(url, dest, unsized=HUB_UNSIZED if m else URL_UNSIZED)
 
 
 def shard_names(index, repo_id):

@@ -21,7 +21,7 @@ import requests
 import torch
 
 from checkpoint import load
-from hub import chunks, hide_credentials
+from hub import chunks, hide_credentials, seconds, within
 from objectives import run_model
 
 
@@ -126,7 +126,10 @@ class RemoteTeacher:
         never past a stated cap, 256 bytes per entry of the top k (vLLM sends about 70)."""
         deadline, cap = time.monotonic() + self.timeout, 4096 + 256 * n * (self.top_k + 1)
         data = bytearray()
-        with requests.post(self.url, json=body, timeout=self.timeout, stream=True) as r:
+        # the status and headers too: a server may send them a byte at a time
+        r = within(self.timeout, self.url, 'NANOBITNET_TEACHER_TIMEOUT', requests.post,
+                   self.url, json=body, timeout=self.timeout, stream=True)
+        with r:
             r.raise_for_status()
             for chunk in chunks(r):
                 data += chunk
@@ -143,8 +146,8 @@ class RemoteTeacher:
             try:
                 reply = self.reply(body, len(ids))
                 return self.checked(reply['choices'][0]['prompt_logprobs'], len(ids))
-            except (requests.RequestException, ValueError, KeyError, IndexError,
-                    TypeError) as e:
+            except (requests.RequestException, TimeoutError, ValueError, KeyError,
+                    IndexError, TypeError) as e:
                 error = e
                 if attempt < self.retries:
                     time.sleep(self.backoff * 2 ** attempt)
@@ -178,6 +181,7 @@ def from_settings(teacher, vllm, student, switch=None, device='cpu', dtype=torch
     None."""
     if teacher.startswith(('http://', 'https://')):
         return RemoteTeacher(teacher, vllm['model'], top_k=vllm['top_k'],
+                             timeout=seconds('NANOBITNET_TEACHER_TIMEOUT', 60),
                              vocab_size=student.config.vocab_size)
     if teacher:
         try:

@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -504,3 +505,50 @@ def test_a_urls_credentials_are_in_no_message_and_no_file_name(tmp_path, monkeyp
     assert open(path).read() == 'hello\n'
     names = [n for _, _, ns in os.walk(tmp_path / 'cache') for n in ns]
     assert names and not any(s in n for n in names for s in secrets) and 'there.txt' in os.path.basename(path)
+
+
+@pytest.mark.parametrize('per_read, says', [
+    (None, 'sends more than the 10,485,760 bytes a reply of no stated size may send'),
+    (0.05, 'did not arrive within 2s'),
+])
+def test_a_hub_file_of_no_stated_size_has_a_cap_and_a_deadline(tmp_path, monkeypatch, per_read, says):
+    """A hub file sent with no Content-Length (and no X-Linked-Size) may be at most 10 MiB, as a
+    hub's files past 10 MB are LFS files that state their size; and a whole download gets the header
+    limit plus its size at 100 KiB/s: 1 KiB every 0.05 s (never a stall) ends in one error, in time.
+    Either way what it wrote is not the file."""
+    import http.server
+    import threading
+    import hub
+
+    class Unsized(http.server.BaseHTTPRequestHandler):
+        protocol_version = 'HTTP/1.0'  # the body ends when the connection does
+
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            try:
+                while True:
+                    self.wfile.write(b'{' * 1024)
+                    if per_read:
+                        time.sleep(per_read)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Unsized)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv('HF_ENDPOINT', f'http://127.0.0.1:{server.server_address[1]}')
+    monkeypatch.setenv('NANOBITNET_CACHE', str(tmp_path))
+    monkeypatch.setenv('NANOBITNET_HUB_TIMEOUT', '1')
+    monkeypatch.setattr(hub, 'HUB_UNSIZED', 10 * 2 ** 20 if per_read is None else 102400)
+    start = time.monotonic()
+    try:
+        with pytest.raises(hub.DownloadError) as refused:
+            hub.hub_download('org/repo', 'config.json')
+    finally:
+        server.shutdown()
+    assert time.monotonic() - start < 30
+    assert says in str(refused.value) and '\n' not in str(refused.value)
+    assert not os.path.exists(hub.hub_file('org/repo', 'config.json')[1])

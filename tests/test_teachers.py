@@ -201,3 +201,35 @@ def test_a_teacher_urls_password_is_never_printed_logged_or_saved(tmp_path):
     for folder, _, names in os.walk(tmp_path):
         for name in names:
             assert secret.encode() not in open(os.path.join(folder, name), 'rb').read(), name
+
+
+def test_a_teacher_sending_its_headers_a_byte_at_a_time_ends_within_the_deadline():
+    """A server that trickles its status line and headers (one byte every 0.2 s: no read ever
+    times out) is given the teacher's timeout in all, from the request on: one line, in time."""
+    import socket
+    listener = socket.socket()
+    listener.bind(('127.0.0.1', 0))
+    listener.listen()
+    stop = threading.Event()
+
+    def trickle():
+        connection, _ = listener.accept()
+        connection.recv(65536)
+        for byte in b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Padding: ' + b'x' * 400:
+            if stop.is_set():
+                break
+            connection.sendall(bytes([byte]))
+            time.sleep(0.2)
+        connection.close()
+    threading.Thread(target=trickle, daemon=True).start()
+    url = f'http://127.0.0.1:{listener.getsockname()[1]}'
+    teacher = RemoteTeacher(url, 'tiny', top_k=3, timeout=2.0, retries=0, vocab_size=VOCAB)
+    start = time.monotonic()
+    try:
+        with pytest.raises(SystemExit) as refused:
+            teacher(torch.tensor([[3, 7, 11, 49]]), torch.tensor([[7, 11, 49, 5]]))
+    finally:
+        stop.set()
+    assert time.monotonic() - start < 6
+    message = str(refused.value)
+    assert 'did not answer within 2s' in message and 'NANOBITNET_TEACHER_TIMEOUT' in message and '\n' not in message
