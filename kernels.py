@@ -39,6 +39,7 @@ import functools
 import os
 import platform
 import shutil
+import threading
 import warnings
 
 import torch
@@ -808,20 +809,22 @@ def quantize_activations(x):
 # can meet an old value. Inside it, a kept value is also dropped when its tensor changes
 # storage, version, dtype or device; a change that bumps none of them (through .data, a
 # numpy view, a fused optimizer) is the caller's to keep outside: train.py steps the
-# optimizer between two holds.
-held = None  # tensor -> (key, value) while holding_weights() runs; None outside
+# optimizer between two holds. A hold is its thread's: another thread (generating, or
+# training) keeps its own or none, and backward on a thread of autograd's own (CUDA)
+# computes afresh.
+holds = threading.local()  # .held: tensor -> (key, value) in this thread's hold, or None
 
 
 @contextlib.contextmanager
 def holding_weights():
-    """Keep what `reused` computes until the block ends (a nested hold joins the outer)."""
-    global held
-    outer = held
-    held = WeakIdKeyDictionary() if outer is None else outer
+    """Keep what `reused` computes in this thread until the block ends (a nested hold
+    joins the outer)."""
+    outer = getattr(holds, 'held', None)
+    holds.held = WeakIdKeyDictionary() if outer is None else outer
     try:
         yield
     finally:
-        held = outer
+        holds.held = outer
 
 
 def reused(t, compute, *key):
@@ -830,7 +833,10 @@ def reused(t, compute, *key):
     tensors keep no version counter."""
     # is_compiling first: torch.compile never reads `held`, so never guards (and
     # recompiles) on it
-    if torch.compiler.is_compiling() or held is None or t.is_inference():
+    if torch.compiler.is_compiling() or t.is_inference():
+        return compute()
+    held = getattr(holds, 'held', None)
+    if held is None:
         return compute()
     key = (t.data_ptr(), t._version, t.dtype, t.device, *key)
     kept = held.get(t)
