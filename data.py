@@ -28,6 +28,7 @@ import glob
 import hashlib
 import itertools
 import json
+import math
 import multiprocessing as mp
 import os
 import re
@@ -383,13 +384,14 @@ def setup_data(folder, files=None, tokenizer='bytes', fmt='text', text_field='te
         raise FileNotFoundError(f"no token shards (*train_*.bin) in {folder!r}; "
                                 f"set prepare.files to download and prepare them")
     # an id past the vocabulary (n_vocab, the tokenizer's) would index past the embedding,
-    # mid-run: read each shard once (a marker keeps the result; shards without one are
-    # read at every start)
-    top = made.get('max_id')
+    # mid-run: read each shard once (a marker keeps the result with the shards' sizes and
+    # times, read again when they change; shards without one are read at every start)
+    stamp = shard_stamp(folder)
+    top = made.get('max_id') if made.get('shards') == stamp else None
     if top is None:
         top = largest_id(folder)
         if made and local_rank() == 0:
-            write_marker(marker, {**made, 'max_id': top})
+            write_marker(marker, {**made, 'max_id': top, 'shards': stamp})
     if n_vocab and top >= n_vocab:
         raise ValueError(f"{folder} holds token id {top}, past the {n_vocab} ids of "
                          f"tokenizer {tokenizer!r}; prepare the shards with it again")
@@ -399,6 +401,14 @@ def setup_data(folder, files=None, tokenizer='bytes', fmt='text', text_field='te
 def file_sha256(path):
     with open(path, 'rb') as f:
         return hashlib.file_digest(f, 'sha256').hexdigest()
+
+
+def shard_stamp(folder):
+    """{shard file: [size, modification time in ns]} of a folder's train and val shards:
+    what a largest id kept in its marker was read from."""
+    shards = shard_paths(folder, 'train') + shard_paths(folder, 'val')
+    stats = {os.path.basename(p): os.stat(p) for p in shards}
+    return {name: [s.st_size, s.st_mtime_ns] for name, s in stats.items()}
 
 
 def largest_id(folder):
@@ -657,10 +667,20 @@ def run_data(dataset, prepare, mixture, remix_interval, enc, tokenizer_name, tok
     if (mixture and not dataset) or (remix_interval and not mixture):
         raise ValueError("mixture= needs dataset= (whose val split is evaluated); "
                          "remix.interval needs mixture=")
+    for name, source in mixture.items():
+        pair = isinstance(source, (tuple, list)) and len(source) == 2
+        weight = source[1] if pair else None
+        number = type(weight) in (int, float) and math.isfinite(weight) and weight > 0
+        if not (pair and isinstance(source[0], str) and number):
+            raise ValueError(f"mixture {name!r}: {source!r} is no (folder, weight above 0) "
+                             f"pair; write mixture={{{name!r}: ('data/x', 1.0), ...}}")
     if dataset:
         setup_data(dataset, prepare['files'], tokenizer_name, prepare['format'],
                    prepare['text_field'], n_vocab=enc.n_vocab, tokenizer_file=tokenizer_file,
                    named=named)
+        for folder, _ in (mixture or {}).values():  # its tokenizer and ids checked too
+            setup_data(folder, None, tokenizer_name, n_vocab=enc.n_vocab,
+                       tokenizer_file=tokenizer_file)
         train_data, val_data = mixture or dataset, dataset
         # the val split, first read at the first evaluation: refused now if it cannot be
         Loader(val_data, 1, block_size, 'val')

@@ -552,3 +552,31 @@ def test_a_hub_file_of_no_stated_size_has_a_cap_and_a_deadline(tmp_path, monkeyp
     assert time.monotonic() - start < 30
     assert says in str(refused.value) and '\n' not in str(refused.value)
     assert not os.path.exists(hub.hub_file('org/repo', 'config.json')[1])
+
+
+def test_ids_past_the_vocabulary_in_a_mixture_or_behind_a_stale_marker_are_one_line(tmp_path):
+    """A mixture's folder is checked as dataset is (its tokenizer, its largest id), and a marker's
+    largest id counts only for the shards it was read from: a shard rewritten since (another size or
+    time) is read again. A mixture entry that is no (folder, weight above 0) pair is one line too."""
+    import numpy as np
+    from data import write_shard
+
+    def shards(name, top):
+        folder = tmp_path / name
+        folder.mkdir()
+        write_shard(str(folder / 'train_000000.bin'), np.arange(2000) % 256, 1)
+        write_shard(str(folder / 'val_000000.bin'), [7] * 999 + [top], 1)
+        (folder / 'prepared.json').write_text(json.dumps({'tokenizer': 'bytes', 'format': 'text', 'files': None}))
+        return folder
+    good, bad = shards('good', 9), shards('bad', 300)
+    common = [*TINY, '--max_steps=1', f'--dataset={good}', '--tokenizer=bytes']
+    r = run('train.py', *common, f"--mixture={{'a': ('{good}', 1.0), 'b': ('{bad}', 1.0)}}", f'--out_dir={tmp_path / "m"}')
+    assert one_line_error(r) and f"{bad} holds token id 300, past the 260 ids" in r.stderr, r.stderr
+    for entry in ("('x',)", f"('{good}', 0.0)", f"('{good}', -1.0)", f"('{good}', '1')", f"'{good}'"):
+        r = run('train.py', *common, f"--mixture={{'a': {entry}}}", f'--out_dir={tmp_path / "w"}')
+        assert one_line_error(r) and "is no (folder, weight above 0) pair" in r.stderr, (entry, r.stderr)
+    r = run('train.py', *common, f'--out_dir={tmp_path / "first"}')
+    assert r.returncode == 0 and json.loads((good / 'prepared.json').read_text())['max_id'] == 255
+    write_shard(str(good / 'val_000000.bin'), [7] * 1999 + [300], 1)  # rewritten: the marker is stale
+    r = run('train.py', *common, f'--out_dir={tmp_path / "second"}')
+    assert one_line_error(r) and f"{good} holds token id 300" in r.stderr, r.stderr
