@@ -135,6 +135,9 @@ def configure(config, args, ranges=None, renamed=None):
                 source = f.read()
             try:
                 exec(compile(source, arg, 'exec'), scope)
+            except SystemExit:  # exit() in a config file would end the run unseen, rc 0
+                raise SystemExit(f"error: config file {arg!r} calls exit(); a config file "
+                                 f"sets settings, remove that call") from None
             except Exception as e:  # its mistake, in one line: where and what
                 frame = e.__traceback__.tb_next  # the config file's own line
                 line = getattr(e, 'lineno', None) or (frame.tb_lineno if frame else '?')

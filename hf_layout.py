@@ -165,7 +165,11 @@ def read_config(path):
         raise FileNotFoundError(f"{path!r} is not a checkpoint directory "
                                 "(no config.json)")
     with open(os.path.join(path, 'config.json')) as f:
-        return config_from_hf(json.load(f))
+        hf = json.load(f)
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path}/config.json holds a {type(hf).__name__}, not a JSON object; "
+                         f"save the model again")
+    return config_from_hf(hf)
 
 
 def read_weights(path, cfg, dtype, names):

@@ -146,6 +146,7 @@ def test_numbers_are_finite_and_none_is_no_number(tmp_path, arg, message):
     ('learning_rate = (\n', "line 1: SyntaxError"),
     ('max_steps = 10\nlearning_rate = 1 / 0\n', "line 2: ZeroDivisionError: division by zero"),
     ('import not_a_module_anywhere\n', "line 1: ModuleNotFoundError"),
+    ('import sys\nmax_steps = 3\nsys.exit(0)\n', "calls exit"),
 ])
 def test_a_config_file_that_raises_is_one_line_naming_its_line(tmp_path, text, message):
     path = tmp_path / 'bad.py'
@@ -580,3 +581,17 @@ def test_ids_past_the_vocabulary_in_a_mixture_or_behind_a_stale_marker_are_one_l
     write_shard(str(good / 'val_000000.bin'), [7] * 1999 + [300], 1)  # rewritten: the marker is stale
     r = run('train.py', *common, f'--out_dir={tmp_path / "second"}')
     assert one_line_error(r) and f"{good} holds token id 300" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize('script', ['sample.py', 'eval.py', 'export.py', 'train.py'])
+def test_a_config_json_that_is_no_object_is_one_line(tmp_path, script):
+    """A model folder whose config.json is a JSON list: each script that opens models says so in one
+    line (no AttributeError traceback)."""
+    folder = tmp_path / 'model'
+    folder.mkdir()
+    (folder / 'config.json').write_text('[1, 2, 3]')
+    args = {'sample.py': [f'--ckpt={folder}'], 'eval.py': [f'--ckpt={folder}'],
+            'export.py': [f'--ckpt={folder}', f'--gguf={tmp_path / "m.gguf"}'],
+            'train.py': [*TINY, f'--init_from={folder}', f'--out_dir={tmp_path / "o"}']}[script]
+    r = run(script, *args)
+    assert one_line_error(r) and 'config.json holds a list, not a JSON object' in r.stderr, r.stderr
