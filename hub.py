@@ -95,8 +95,9 @@ def within(limit, server, setting, call, *args, **kwargs):
     worker.start()
     worker.join(limit)
     if worker.is_alive():
-        raise TimeoutError(f"{hide_credentials(server)} did not answer within {limit:g}s; "
-                           f"check it, or set {setting}=SECONDS higher")
+        shown = hide_credentials(server)
+        raise TimeoutError(f"{shown} did not answer within {limit:g}s; check it, or set "
+                           f"{setting}=SECONDS higher")
     if 'error' in outcome:
         raise outcome['error']
     return outcome['value']
@@ -143,8 +144,9 @@ def linked_size(response):
 # what in a URL is a credential: a password in its user part, and the query values that
 # sign or authorize a request (S3's and other presigned URLs, tokens in the query)
 PASSWORD = re.compile(r'(//[^/@\s:]*):[^/@\s]*@')
-SIGNATURE = re.compile(r'([?&](?:x-amz-signature|x-amz-credential|x-amz-security-token|signature'
-                       r'|sig|token|access_token|api_key|apikey|key|password)=)[^&#\s]*', re.I)
+SIGNED = ('x-amz-signature', 'x-amz-credential', 'x-amz-security-token', 'signature', 'sig',
+          'token', 'access_token', 'api_key', 'apikey', 'key', 'password')
+SIGNATURE = re.compile(rf"([?&](?:{'|'.join(SIGNED)})=)[^&#\s]*", re.I)
 
 
 def hide_credentials(text):
@@ -205,8 +207,8 @@ def download(url, dest, timeout=60, wait=3600, tries=3, unsized=URL_UNSIZED):
         return wait_for(dest, f"download {shown}", wait)
     local = "or download it yourself and pass its local path"
     if os.environ.get('HF_HUB_OFFLINE', '0') not in ('0', ''):
-        raise DownloadError(f"{shown} is not at {dest} and HF_HUB_OFFLINE is set; unset it, "
-                            f"{local}")
+        raise DownloadError(f"{shown} is not at {dest} and HF_HUB_OFFLINE is set; "
+                            f"unset it, {local}")
     os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
     part = dest + '.part'
     # identity: the bytes as stored, so that Range offsets and the sha256 are the file's
@@ -255,22 +257,24 @@ def download(url, dest, timeout=60, wait=3600, tries=3, unsized=URL_UNSIZED):
                         f.write(chunk)
                         have += len(chunk)
                         show(have)
-                        if have > most:  # never past what the server announced, or the cap
+                        if have > most:  # never past what it announced, or the cap
                             os.remove(part)
-                            said = 'it announced' if size else 'a reply of no stated size may send'
-                            raise DownloadError(f"{shown} sends more than the {most:,} bytes "
-                                                f"{said}; {local}")
+                            said = 'a reply of no stated size may send'
+                            said = 'it announced' if size else said
+                            raise DownloadError(f"{shown} sends more than the {most:,} "
+                                                f"bytes {said}; {local}")
                         if time.monotonic() - requested > limit:
+                            slowest = f"{MIN_RATE // 1024} KiB/s"
                             raise DownloadError(f"{shown} did not arrive within {limit:.0f}s "
-                                                f"(at {MIN_RATE // 1024} KiB/s at least); check "
-                                                f"the server, or set NANOBITNET_HUB_TIMEOUT "
-                                                f"higher, {local}")
+                                                f"(at {slowest} at least); check the server, "
+                                                f"or set NANOBITNET_HUB_TIMEOUT higher, {local}")
                 show(have, last=True)
             break
         except (requests.ConnectionError, requests.Timeout, urllib3.exceptions.HTTPError) as e:
             err = type(e).__name__  # a cut transfer: next try resumes from what arrived
     else:
-        raise DownloadError(f"cannot download {shown} ({err}); check network, HF_ENDPOINT, {local}")
+        raise DownloadError(f"cannot download {shown} ({err}); check network, HF_ENDPOINT, "
+                            f"{local}")
     if sha:
         with open(part, 'rb') as f:
             got = hashlib.file_digest(f, 'sha256').hexdigest()
@@ -296,7 +300,8 @@ def hub_file(repo_id, filename, repo_type='model', revision='main'):
 
 def hub_download(repo_id, filename, repo_type='model', revision='main'):
     """A file of a hub repo (model or dataset), cached under cache_dir()."""
-    return download(*hub_file(repo_id, filename, repo_type, revision), unsized=HUB_UNSIZED)
+    url, dest = hub_file(repo_id, filename, repo_type, revision)
+    return download(url, dest, unsized=HUB_UNSIZED)
 
 
 def fetch(src, folder=None):
@@ -313,7 +318,8 @@ def fetch(src, folder=None):
         parts = urllib.parse.urlsplit(src)
         plain = re.sub(r'[^\w.-]', '_', f"{parts.hostname}{parts.path}")[-120:]
         digest = hashlib.sha256(src.encode()).hexdigest()[:12]
-        dest = inside(os.path.join(cache_dir(), 'urls'), f"{digest}-{plain}", 'URL as a file name')
+        dest = inside(os.path.join(cache_dir(), 'urls'), f"{digest}-{plain}",
+                      'URL as a file name')
     elif os.path.exists(src):
         return src
     else:

@@ -27,6 +27,7 @@ ternary linears) BitNet b1.58 2B4T:
   with what distillation and the router losses ask for (objectives.py); it always
   returns the logits, in training only where a loss reads them.
 """
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -323,13 +324,12 @@ class Transformer(nn.Module):
         with linear_norm, an RMSNorm before every BitLinear): gain 1, or, given a few
         batches of token ids `calib` (a pretrained model), gains calibrated on them.
         weight_scale: 'matrix', 'row' or 'block' (None: the config's)."""
-        cfg = self.config
-        cfg.weight_scale = weight_scale or cfg.weight_scale
-        cfg.__post_init__()  # checks weight_scale
-        cfg.linear_norm = cfg.linear_norm or linear_norm
+        cfg = dataclasses.replace(self.config, bitnet=True, subln=True,  # checks weight_scale
+                                  weight_scale=weight_scale or self.config.weight_scale,
+                                  linear_norm=self.config.linear_norm or linear_norm)
         convert_to_bitnet(self.layers, cfg.norm_eps, scales=cfg.weight_scale,
                           input_norms=cfg.linear_norm)
-        self.config.bitnet = self.config.subln = True
+        self.config = cfg
         if calib:
             calibrate_subln(self, calib)
         return self
@@ -345,18 +345,18 @@ class Transformer(nn.Module):
                              "no other size")
         if cfg.n_experts:
             raise ValueError("the model is a mixture of experts already")
-        cfg.n_experts, cfg.top_k, cfg.norm_topk_prob = n_experts, top_k, norm_topk_prob
-        cfg.moe_intermediate_size = cfg.intermediate_size
-        cfg.__post_init__()  # checks top_k
+        self.config = dataclasses.replace(cfg, n_experts=n_experts, top_k=top_k,  # checked
+                                          norm_topk_prob=norm_topk_prob,
+                                          moe_intermediate_size=cfg.intermediate_size)
         for block in self.layers:
-            block.mlp = upcycle(block.mlp, cfg).to(self.embed_tokens.weight)
+            block.mlp = upcycle(block.mlp, self.config).to(self.embed_tokens.weight)
         return self
 
     def add_lrc(self, rank):
         """Give every BitLinear a low-rank fp correction, initialised from its current
         weights."""
         add_lrc(self.layers, rank)
-        self.config.lrc_rank = rank
+        self.config = dataclasses.replace(self.config, lrc_rank=rank)
         return self
 
     def freeze(self):
@@ -365,7 +365,7 @@ class Transformer(nn.Module):
             raise ValueError("only a ternary model can be frozen; "
                              "call to_bitnet(), train it first")
         freeze(self.layers)
-        self.config.packed = True
+        self.config = dataclasses.replace(self.config, packed=True)
         return self
 
     def num_params(self):

@@ -124,6 +124,8 @@ def test_model_is_the_decoder_and_nothing_of_the_machine():
     assert size('model.py', classes['Transformer']) <= 150
     text = '\n'.join(lines('model.py'))
     assert 'is_tensor' not in text and 'use_attention' not in text and 'self.attend' not in text
+    # a derived config is a new one (dataclasses.replace checks it), never the old one changed
+    assert '.__post_init__()' not in text and not re.search(r'config\.\w+ = ', text)
 
 
 def test_train_is_settings_then_a_short_set_up_then_the_loop():
@@ -333,3 +335,19 @@ def test_readme_results_are_a_dozen_short_lines():
     written = [line for line in section.splitlines() if line.strip()]
     assert 5 <= len(written) <= 12, written
     assert all(len(line) < 200 for line in written), max(written, key=len)
+
+
+def test_a_derived_model_config_is_a_new_checked_one():
+    """to_bitnet, upcycle, add_lrc and freeze give the model a new config (dataclasses.replace, which
+    runs the checks): the one it had is left as it was, and a bad derived one is refused."""
+    from model import ModelConfig, Transformer
+    cfg = ModelConfig(vocab_size=64, n_layer=1, n_embd=32, n_head=2, n_kv_head=1, intermediate_size=64)
+    model = Transformer(cfg)
+    model.to_bitnet(weight_scale='row').add_lrc(2)
+    assert not cfg.bitnet and cfg.weight_scale == 'matrix' and cfg.lrc_rank == 0
+    assert model.config.bitnet and model.config.subln and model.config.weight_scale == 'row' and model.config.lrc_rank == 2
+    with pytest.raises(ValueError, match="weight_scale='block' needs"):
+        Transformer(cfg).to_bitnet(weight_scale='block')
+    with pytest.raises(ValueError, match='top_k=3 must be between 1 and n_experts=2'):
+        Transformer(cfg).upcycle(2, top_k=3)
+    assert cfg.n_experts == 0
