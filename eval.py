@@ -139,19 +139,44 @@ def questions(lines, uncond_offset=None):
     and continuation) as questions {'choices': [(context, continuation)], 'gold': i}, in
     the order of the file. OLMo's files also score each choice after 'Answer:' alone, for
     its unconditional normalisation, under doc_id + uncond_offset; the harness's acc and
-    acc_norm do not use those, so they are left out."""
+    acc_norm do not use those, so they are left out. A line of another shape, an empty
+    continuation, a label that names no choice or no question at all is a ValueError
+    naming it."""
     by_doc = {}
-    for line in lines:
-        r = json.loads(line)
+    for number, line in enumerate(lines, 1):
+        r = request_line(line, number)
         if uncond_offset is not None and r['doc_id'] >= uncond_offset:
             continue
         q = by_doc.setdefault(r['doc_id'], {'choices': {}, 'gold': r['label']})
         q['choices'][r['idx']] = (r['request']['context'], r['request']['continuation'])
     result = []
-    for q in by_doc.values():
+    for doc, q in by_doc.items():
         choices = [q['choices'][i] for i in sorted(q['choices'])]
+        if sorted(q['choices']) != list(range(len(choices))) or not 0 <= q['gold'] < len(choices):
+            raise ValueError(f"question {doc}: its label {q['gold']} names none of its "
+                             f"{len(choices)} choices (numbered 0 up); fix the task file")
         result.append({'choices': choices, 'gold': q['gold']})
+    if not result:
+        raise ValueError("the task holds no question; check the task file")
     return result
+
+
+def request_line(line, number):
+    """One request line, checked: a JSON object whose doc_id, idx and label are integers
+    and whose request has a context and a continuation that is not empty (strings)."""
+    try:
+        r = json.loads(line)
+    except ValueError:
+        r = None
+    request = r.get('request') if isinstance(r, dict) else None
+    ids = isinstance(r, dict) and all(type(r.get(k)) is int for k in ('doc_id', 'idx', 'label'))
+    texts = isinstance(request, dict) and isinstance(request.get('context'), str) \
+        and isinstance(request.get('continuation'), str) and request['continuation'] != ''
+    if not (ids and texts):
+        raise ValueError(f"request line {number} is no object with integers doc_id, idx and "
+                         f"label and a request of a context and a continuation (text, not "
+                         f"empty): {line[:60]!r}; fix the task file")
+    return r
 
 
 def request_lines(name, regime='rc_0shot', package=None):

@@ -595,3 +595,27 @@ def test_a_config_json_that_is_no_object_is_one_line(tmp_path, script):
             'train.py': [*TINY, f'--init_from={folder}', f'--out_dir={tmp_path / "o"}']}[script]
     r = run(script, *args)
     assert one_line_error(r) and 'config.json holds a list, not a JSON object' in r.stderr, r.stderr
+
+
+def request(doc=0, idx=0, label=0, context='Q: 1+1?\nA:', continuation=' 2'):
+    return json.dumps({'doc_id': doc, 'idx': idx, 'label': label,
+                       'request': {'context': context, 'continuation': continuation}})
+
+
+@pytest.mark.parametrize('lines, says', [
+    (['[1, 2]'], 'request line 1 is no object'),
+    ([request(), request(idx=1, context=None)], 'request line 2 is no object'),
+    ([request(), request(idx=1, continuation='')], 'request line 2 is no object'),
+    ([request(label=2), request(idx=1, label=2)], 'its label 2 names none of its 2 choices'),
+    ([request(), request(idx=2)], 'names none of its 2 choices'),
+    ([], 'holds no question'),
+])
+def test_a_task_file_of_another_shape_is_a_value_error_naming_the_line(lines, says):
+    """eval.py's task lines are data: a list, a null context, an empty continuation, a label that names
+    no choice (it was scored as always wrong), or no line at all: each a ValueError that names it,
+    which eval.py and train.py print as one line."""
+    import eval
+    with pytest.raises(ValueError, match=re.escape(says)):
+        eval.questions(lines)
+    assert eval.questions([request(), request(idx=1, continuation=' 3')]) == \
+        [{'choices': [('Q: 1+1?\nA:', ' 2'), ('Q: 1+1?\nA:', ' 3')], 'gold': 0}]
