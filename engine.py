@@ -110,7 +110,10 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, eos_id=Non
         if temperature == 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:
-            logits = logits / temperature
+            # the largest at 0 first, and a temperature above 0 stays above 0 in float32:
+            # however small it is, numbers <= 0 are divided (never 0 / 0)
+            smallest = torch.finfo(logits.dtype).tiny
+            logits = (logits - logits.amax(-1, keepdim=True)) / max(temperature, smallest)
             if top_k is not None:
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
                 logits[logits < v[:, [-1]]] = -float('inf')

@@ -172,3 +172,15 @@ def test_sample_scores_its_new_tokens_by_a_judge(tmp_path):
     assert r.returncode == 1 and r.stdout == ''
     assert r.stderr.strip().endswith("has another tokenizer than the model; it can only score text in the "
                                       "same tokens")
+
+
+def test_a_temperature_however_small_samples_the_greedy_tokens():
+    """temperature=1e-300 (0 in float32) once ended sample.py in a RuntimeError (0 / 0 in the
+    softmax): any temperature above 0 samples, and one that small gives the greedy tokens."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=300, n_layer=2, n_embd=64, n_head=4, n_kv_head=2,
+                                    intermediate_size=96)).eval()
+    idx = tokens(300, B=2, T=5)
+    greedy = generate(model, idx, 8, temperature=0)
+    for t in (1e-300, 1e-45, 1e-30):
+        assert torch.equal(generate(model, idx, 8, temperature=t), greedy), t
