@@ -372,8 +372,7 @@ def setup_data(folder, files=None, tokenizer='bytes', fmt='text', text_field='te
             write_marker(marker, made)
     made = {}
     if os.path.exists(marker):
-        with open(marker) as f:
-            made = json.load(f)
+        made = read_marker(marker)
         same_file = (tokenizer_file and 'tokenizer_sha256' in made
                      and made['tokenizer_sha256'] == file_sha256(tokenizer_file))
         if made['tokenizer'] != tokenizer and not same_file:
@@ -415,6 +414,22 @@ def largest_id(folder):
     """The largest token id in a folder's train and val shards."""
     shards = shard_paths(folder, 'train') + shard_paths(folder, 'val')
     return max((int(read_shard(p).max(initial=0)) for p in shards), default=0)
+
+
+def read_marker(marker):
+    """A folder's prepared.json, checked: an object naming its tokenizer (a string) and,
+    where it keeps one, its largest id (an integer). A ValueError otherwise."""
+    try:
+        with open(marker) as f:
+            made = json.load(f)
+    except ValueError:
+        made = None
+    top = made.get('max_id') if isinstance(made, dict) else None
+    if not (isinstance(made, dict) and isinstance(made.get('tokenizer'), str)
+            and (top is None or type(top) is int)):
+        raise ValueError(f"{marker} is no marker prepare wrote (an object with the tokenizer's "
+                         f"name and an integer max_id); prepare the folder again")
+    return made
 
 
 def write_marker(marker, made):

@@ -619,3 +619,17 @@ def test_a_task_file_of_another_shape_is_a_value_error_naming_the_line(lines, sa
         eval.questions(lines)
     assert eval.questions([request(), request(idx=1, continuation=' 3')]) == \
         [{'choices': [('Q: 1+1?\nA:', ' 2'), ('Q: 1+1?\nA:', ' 3')], 'gold': 0}]
+
+
+@pytest.mark.parametrize('marker', ['[1, 2]', '{"tokenizer": "bytes", "max_id": "300"}', '{"max_id": 3}', '{'])
+def test_a_marker_of_another_shape_is_one_line(tmp_path, marker):
+    """A folder's prepared.json that is a list, keeps its largest id as a string, names no tokenizer
+    or is cut off: one line naming it, before training (no KeyError or TypeError traceback)."""
+    import numpy as np
+    from data import write_shard
+    folder = tmp_path / 'shards'
+    folder.mkdir()
+    write_shard(str(folder / 'train_000000.bin'), np.arange(2000) % 256, 1)
+    (folder / 'prepared.json').write_text(marker)
+    r = run('train.py', *TINY, f'--dataset={folder}', '--tokenizer=bytes', f'--out_dir={tmp_path / "out"}')
+    assert one_line_error(r) and 'prepared.json is no marker prepare wrote' in r.stderr, r.stderr
