@@ -17,6 +17,7 @@ the clients' own timeouts count per read. Credentials come from each cloud's own
 environment and files (AWS_ACCESS_KEY_ID, ~/.aws, AWS_ENDPOINT_URL, ...); no message here
 names them, and any such value found in an error is masked.
 """
+import json
 import os
 import shutil
 import sys
@@ -27,6 +28,7 @@ import checkpoint
 from hub import endpoint, hide_credentials, inside, plain_name, seconds, token_header, within
 
 SECRET_WORDS = ('KEY', 'SECRET', 'TOKEN', 'PASSWORD', 'CREDENTIAL')
+MANIFEST_BYTES = 1 << 20  # a manifest lists a few files: read only when under this
 CKPT = checkpoint.NAME  # a checkpoint's folder, as checkpoint.save names it (ASCII digits)
 OWNER = 'owner'
 
@@ -78,6 +80,9 @@ class S3:
 
     def get(self, name, path):
         self.client.download_file(self.bucket, self.prefix + name, path)
+
+    def size(self, name):
+        return self.client.head_object(Bucket=self.bucket, Key=self.prefix + name)['ContentLength']
 
     def get_text(self, name):
         try:
@@ -132,6 +137,9 @@ class Fsspec:
 
     def get(self, name, path):
         self.fs.get_file(f'{self.root}/{name}', path)
+
+    def size(self, name):
+        return self.fs.size(f'{self.root}/{name}')
 
     def get_text(self, name):
         try:
@@ -309,6 +317,31 @@ class Uploader:
         print(f"uploads done: {where}")
 
 
+def unlisted(store, ckpt, names, tmp):
+    """Why a stored checkpoint cannot be the one its manifest lists, before any other file
+    of it is read: a manifest past MANIFEST_BYTES, or a file the manifest does not list
+    at its size; None when every size matches (the sha256s are checked after download)."""
+    if store.size(f'{ckpt}/{checkpoint.MANIFEST}') > MANIFEST_BYTES:
+        return f"its manifest is over {MANIFEST_BYTES:,} bytes"
+    path = inside(tmp, checkpoint.MANIFEST)
+    store.get(f'{ckpt}/{checkpoint.MANIFEST}', path)
+    try:
+        with open(path) as f:
+            listed = json.load(f)
+    except ValueError:
+        listed = None
+    if not isinstance(listed, dict):
+        return "its manifest is no JSON object"
+    for name in names:
+        if name == checkpoint.MANIFEST:
+            continue
+        entry = listed.get(name)
+        stored = store.size(f'{ckpt}/{name}')
+        if not (isinstance(entry, list) and entry and entry[0] == stored):
+            return f"{name} is not in its manifest at its stored size ({stored:,} bytes)"
+    return None
+
+
 def download_latest(url, folder):
     """Copy the newest complete checkpoint under `url` into `folder`, which holds none
     (else a resume would take the newest there), verified against its manifest before it
@@ -330,12 +363,13 @@ def download_latest(url, folder):
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         try:
-            for f in files[ckpt]:
+            damage = unlisted(store, ckpt, files[ckpt], tmp)
+            for f in files[ckpt] if damage is None else ():
                 store.get(f'{ckpt}/{f}', inside(tmp, f))
         except Exception as e:  # the clients raise many kinds
             raise SystemExit(f"error: cannot download {url}/{ckpt} ({masked(e)}); "
                              "check the network and run again") from None
-        damage = checkpoint.damage(tmp)
+        damage = damage or checkpoint.damage(tmp)
         if damage is None:
             final = os.path.join(folder, ckpt)
             os.replace(tmp, final)

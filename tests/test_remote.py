@@ -513,3 +513,24 @@ def test_a_resume_after_a_crash_mid_log_line_runs_on(tmp_path):
     assert warning in again.stderr
     assert 'Traceback' not in again.stderr
     assert [r['step'] for r in log(out)] == [1, 2, 3]
+
+
+def test_a_stored_checkpoint_is_compared_with_its_manifest_before_its_files_are_read(s3_env, tmp_path,
+                                                                                    capsys, monkeypatch):
+    """A newer checkpoint whose model.safetensors is 8 MB where its manifest lists 100 B, and one whose
+    manifest is 2 MiB: each skipped with one warning after reading no more than its manifest (the
+    bucket's sizes are compared first); the intact one before is downloaded."""
+    good = good_checkpoint(tmp_path, 3)
+    manifest = json.dumps({'model.safetensors': [100, '0' * 64]}).encode()
+    stored = {'ckpt_0000005/manifest.json': manifest, 'ckpt_0000005/model.safetensors': b'x' * (8 << 20),
+              'ckpt_0000007/manifest.json': b' ' * (2 << 20), 'ckpt_0000007/model.safetensors': b'x'}
+    put(s3_env, 'sizes/', {**good, **stored})
+    fetched = []
+    get = remote.S3.get
+    monkeypatch.setattr(remote.S3, 'get', lambda store, name, path: fetched.append(name) or get(store, name, path))
+    got = remote.download_latest('s3://runs/sizes', str(tmp_path / 'out'))
+    assert got == str(tmp_path / 'out' / 'ckpt_0000003')
+    assert 'ckpt_0000005/model.safetensors' not in fetched and not any(n.startswith('ckpt_0000007') for n in fetched)
+    warnings = capsys.readouterr().err.splitlines()
+    assert 'model.safetensors is not in its manifest at its stored size (8,388,608 bytes)' in warnings[1]
+    assert 'its manifest is over 1,048,576 bytes' in warnings[0]
