@@ -254,10 +254,11 @@ def saved_bytes(fn):
     return sum(storages.values())
 
 
-def check_fits(config, batch_size, block_size, device):
+def check_fits(config, batch_size, block_size, device, eval_iters=1):
     """A ValueError, before any batch is made, for a micro-batch that cannot fit: one
     micro-step holds at least its ids and targets (int64) and every layer's input for
-    backward (2 bytes a number at the least), a floor well under the true need."""
+    backward (2 bytes a number at the least), a floor well under the true need; or for
+    an evaluation's eval_iters batches (made at once, ids and targets) past the RAM."""
     tokens = batch_size * block_size
     least = tokens * (2 * 8 + config.n_layer * config.n_embd * 2)
     if torch.device(device).type == 'cuda':
@@ -269,6 +270,12 @@ def check_fits(config, batch_size, block_size, device):
                          f"{least / 2**30:,.1f} GiB a micro-step, more than {where} "
                          f"({memory / 2**30:,.1f} GiB); lower batch_size and raise "
                          "gradient_accumulation_steps")
+    ram = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    held = eval_iters * tokens * 2 * 8
+    if held > ram:
+        raise ValueError(f"eval_iters={eval_iters} batches of {tokens:,} tokens hold "
+                         f"{held / 2**30:,.1f} GiB at an evaluation, more than the RAM "
+                         f"({ram / 2**30:,.1f} GiB); lower eval_iters")
 
 
 def largest_batch(model, manager, make_batch, ctx, batch_size, accumulation, device, gib=0.0,

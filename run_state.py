@@ -27,18 +27,15 @@ from checkpoint import (NAME, STATE, check_base, checkpoints, find, identity, la
 from hub import settings_shown
 from lora import save_adapters
 
-LOCK = '.lock'  # in a run's folder: held by the one process that writes there
-
-
 def hold(folder):
-    """The open lock file of `folder`, held by this process until it ends (crashed or
-    not: the operating system lets go; keep the file), or None when another process
-    holds it."""
-    handle = open(os.path.join(folder, LOCK), 'a+')
+    """A lock on `folder` itself (flock on the open folder: nothing is written in it),
+    held by this process until it ends, crashed or not (the operating system lets go):
+    the open descriptor (keep it), or None when another process holds it."""
+    handle = os.open(folder, os.O_RDONLY)
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        handle.close()
+        os.close(handle)
         return None
     return handle
 
@@ -55,7 +52,7 @@ def own_folder(out_dir, fresh):
     earlier = [n for n in names if NAME.fullmatch(n) or n == 'log.jsonl'
                or n.startswith(('.tmp_ckpt_', 'damaged_ckpt_'))]
     if fresh and earlier:
-        handle.close()
+        os.close(handle)
         raise ValueError(f"out_dir={out_dir!r} holds another run ({', '.join(earlier[:3])}); "
                          f"continue it with --init_from=resume, or set --out_dir to a new "
                          f"folder")

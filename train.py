@@ -304,7 +304,7 @@ try:
             weight_scale=weight_scale, bitnet=bitnet, **arch, **moe))
     else:  # a LoRA run's base is verified on resume as at its start (its checkpoint: already)
         model = run_state.starting_model(base, base == start, enc.n_vocab, block_size, moe)
-    check_fits(model.config, batch_size, block_size, device)  # before a batch is made
+    check_fits(model.config, batch_size, block_size, device, eval_iters)  # before any batch
 except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
     sys.exit(f"error: model: {e}")
 model.to(device)

@@ -493,13 +493,12 @@ def test_fsdp_refuses_what_it_cannot_do(tmp_path):
 
 
 def snapshot(folder):
-    """Every file under a run's folder and its sha256, its lock file aside."""
+    """Every file under a run's folder and its sha256."""
     found = {}
     for here, _, names in os.walk(folder):
         for name in names:
             path = os.path.join(here, name)
-            if name != '.lock':
-                found[os.path.relpath(path, folder)] = hashlib.sha256(open(path, 'rb').read()).hexdigest()
+            found[os.path.relpath(path, folder)] = hashlib.sha256(open(path, 'rb').read()).hexdigest()
     return found
 
 

@@ -429,6 +429,11 @@ def test_a_micro_batch_larger_than_the_machine_is_one_line_before_it_is_made(tmp
                         r"more than the RAM \([\d,.]+ GiB\); lower batch_size and raise gradient_accumulation_steps\n",
                         r.stderr), r.stderr
     assert os.listdir(tmp_path) == []
+    r = run('train.py', *TINY, '--eval_iters=1000000000', f'--out_dir={tmp_path}')  # made at once
+    assert one_line_error(r) and re.fullmatch(r"error: model: eval_iters=1000000000 batches of 64 tokens hold "
+                                              r"[\d,.]+ GiB at an evaluation, more than the RAM \([\d,.]+ GiB\); "
+                                              r"lower eval_iters\n", r.stderr), r.stderr
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_run_writes_into_no_checkpoint_model_or_other_output(tmp_path):
