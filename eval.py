@@ -371,6 +371,10 @@ def main(argv):
         check_tasks(tasks)
         if c['out']:  # before the scoring, not after it
             check_output(c['out'], 'out')
+            writable = os.access(os.path.dirname(os.path.abspath(c['out'])), os.W_OK)
+            if os.path.isdir(c['out']) or not writable:
+                raise ValueError(f"--out={c['out']} is a folder, or in one this process cannot "
+                                 f"write; name a JSON file it can write")
         val_shards = shard_paths(c['heldout'], 'val') if c['heldout'] else []
         if c['heldout'] and not val_shards:
             raise ValueError(f"--heldout={c['heldout']} holds no val shards (val_*.bin); "

@@ -51,8 +51,10 @@ except ValueError as e:
     sys.exit(f"error: {e}")
 if merge and os.path.lexists(merge) and not (os.path.isdir(merge) and not os.listdir(merge)):
     sys.exit(f"error: merge={merge!r} is already there; name a new folder for the merged model")
-if gguf and os.path.isdir(gguf):
-    sys.exit(f"error: gguf={gguf!r} is a folder; name the file to write, such as model.gguf")
+adapters_gguf = gguf.removesuffix('.gguf') + '-lora.gguf'  # a ternary base's adapters
+for path in (gguf, adapters_gguf) if gguf else ():
+    if os.path.isdir(path):
+        sys.exit(f"error: {path!r} is a folder; name the file to write, such as model.gguf")
 
 try:
     ckpt, model, tokenizer = checkpoint.load(ckpt, 'cpu', True, tokenizer)
@@ -88,7 +90,9 @@ except (OSError, ValueError) as e:
     sys.exit(f"error: cannot export {ckpt!r} to GGUF: {e}")
 print(f"wrote {gguf}: {os.path.getsize(gguf) / 2**20:.1f} MiB")
 if lora and model.config.bitnet:
-    path = gguf.removesuffix('.gguf') + '-lora.gguf'
-    save_lora_gguf(path, adapter_state(model.layers), lora['lora_alpha'])
-    print(f"wrote {path}: the adapters "
-          f"(llama-cli -m BASE.gguf --lora {os.path.basename(path)})")
+    try:
+        save_lora_gguf(adapters_gguf, adapter_state(model.layers), lora['lora_alpha'])
+    except OSError as e:
+        sys.exit(f"error: cannot write {adapters_gguf!r}: {e}")
+    print(f"wrote {adapters_gguf}: the adapters "
+          f"(llama-cli -m BASE.gguf --lora {os.path.basename(adapters_gguf)})")

@@ -129,6 +129,8 @@ def test_eval_refuses_an_out_file_it_cannot_write_before_scoring(tmp_path):
     r = run('eval.py', f'--out={tmp_path / "missing" / "r.json"}', '--tasks=',
             f'--ckpt={tmp_path / "nowhere"}')
     assert one_line_error(r) and 'its folder does not exist' in r.stderr, r.stderr
+    r = run('eval.py', f'--out={tmp_path}', '--tasks=', f'--ckpt={tmp_path / "nowhere"}')  # a folder
+    assert one_line_error(r) and 'is a folder, or in one this process cannot write' in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize('arg, message', [
@@ -447,6 +449,7 @@ def test_a_run_writes_into_no_checkpoint_model_or_other_output(tmp_path):
     Transformer(ModelConfig(vocab_size=300, n_layer=1, n_embd=32, n_head=2, n_kv_head=1, intermediate_size=64,
                             max_seq_len=64)).save_pretrained(str(hf))
     (tmp_path / 'notes.txt').write_text('mine')
+    (tmp_path / 'run-lora.gguf').mkdir()  # where a ternary base's adapters would go beside run.gguf
     before = files(tmp_path)
     ckpt = run_dir / 'ckpt_0000002'
     text = tmp_path / 'notes.txt'
@@ -459,7 +462,8 @@ def test_a_run_writes_into_no_checkpoint_model_or_other_output(tmp_path):
             ('export.py', [f'--ckpt={run_dir}', f'--merge={hf}'], 'is already there'),
             ('export.py', [f'--ckpt={run_dir}', f'--merge={run_dir}'], 'is already there'),
             ('export.py', [f'--ckpt={run_dir}', f'--merge={text}'], 'is already there'),
-            ('export.py', [f'--ckpt={run_dir}', f'--gguf={tmp_path}'], 'is a folder')):
+            ('export.py', [f'--ckpt={run_dir}', f'--gguf={tmp_path}'], 'is a folder'),
+            ('export.py', [f'--ckpt={run_dir}', f'--gguf={tmp_path / "run.gguf"}'], 'is a folder')):
         r = run(script, *args)
         assert one_line_error(r) and says in r.stderr, (script, args, r.stderr)
     assert files(tmp_path) == before
