@@ -40,6 +40,10 @@ HF_KEYS = dict(vocab_size='vocab_size', n_layer='num_hidden_layers',
                tie_embeddings='tie_word_embeddings', act='hidden_act',
                attention_bias='attention_bias', lrc_rank='lrc_rank',
                bos_token_id='bos_token_id', eos_token_id='eos_token_id')
+# the keys of config.json that hold one number (a token id may be a list of them)
+NUMBERS = ('vocab_size', 'num_hidden_layers', 'hidden_size', 'num_attention_heads',
+           'num_key_value_heads', 'head_dim', 'intermediate_size', 'rms_norm_eps',
+           'max_position_embeddings', 'lrc_rank')
 
 # Mixtral's names for an MoE block's parts (ours are Qwen2-MoE's)
 MIXTRAL_NAMES = {'.mlp.': '.block_sparse_moe.', '.gate_proj.': '.w1.',
@@ -169,6 +173,10 @@ def read_config(path):
     if not isinstance(hf, dict):
         raise ValueError(f"{path}/config.json holds a {type(hf).__name__}, not a JSON object; "
                          f"save the model again")
+    for key in NUMBERS:  # a number, not its text: "30" would fail deep inside the model
+        if key in hf and hf[key] is not None and type(hf[key]) not in (int, float):
+            raise ValueError(f"{path}/config.json: {key} is {hf[key]!r}, not a number; "
+                             f"fix it or save the model again")
     return config_from_hf(hf)
 
 

@@ -642,3 +642,16 @@ def test_a_marker_of_another_shape_is_one_line(tmp_path, marker):
     (folder / 'prepared.json').write_text(marker)
     r = run('train.py', *TINY, f'--dataset={folder}', '--tokenizer=bytes', f'--out_dir={tmp_path / "out"}')
     assert one_line_error(r) and 'prepared.json is no marker prepare wrote' in r.stderr, r.stderr
+
+
+def test_a_config_json_with_a_number_written_as_text_is_one_line(tmp_path):
+    """"num_hidden_layers": "2" (text, not a number): sample.py says so in one line naming the key,
+    where it ended in a TypeError deep inside the model."""
+    from model import ModelConfig, Transformer
+    folder = tmp_path / 'model'
+    Transformer(ModelConfig(vocab_size=300, n_layer=2, n_embd=32, n_head=2, n_kv_head=1, intermediate_size=64,
+                            max_seq_len=64)).save_pretrained(str(folder))
+    config = json.loads((folder / 'config.json').read_text())
+    (folder / 'config.json').write_text(json.dumps(dict(config, num_hidden_layers='2')))
+    r = run('sample.py', f'--ckpt={folder}', '--num_tokens=2')
+    assert one_line_error(r) and "config.json: num_hidden_layers is '2', not a number" in r.stderr, r.stderr
