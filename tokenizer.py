@@ -120,7 +120,15 @@ def hf_encoding(path):
         raise ValueError(f"{unsupported}; this one is {model.get('type')} "
                          f"with normalizer {(normalizer or {}).get('type')}")
     pattern = pre_tokenizer_pattern(tj.get('pre_tokenizer'), unsupported)
-    added = {t['content']: t['id'] for t in tj.get('added_tokens', [])}
+    vocab, merges, listed = model.get('vocab'), model.get('merges'), tj.get('added_tokens', [])
+    ids = isinstance(vocab, dict) and all(type(i) is int for i in vocab.values())
+    tokens = isinstance(listed, list) and all(
+        isinstance(t, dict) and isinstance(t.get('content'), str) and type(t.get('id')) is int
+        for t in listed)
+    if not (ids and isinstance(merges, list) and tokens):
+        raise ValueError(f"{unsupported}; its vocab (text to integer ids), merges (a list) "
+                         f"or added_tokens (content and integer id) are of another shape")
+    added = {t['content']: t['id'] for t in listed}
     byte = {c: b for b, c in byte_alphabet().items()}
     try:
         ranks = {bytes(byte[c] for c in t): i
@@ -131,9 +139,13 @@ def hf_encoding(path):
     # the BPE of the merge list when later merges make larger ids, which is how BPE is
     # trained
     merged = []
-    for m in model['merges']:  # "a b" (older files) or ["a", "b"]
+    for m in merges:  # "a b" (older files) or ["a", "b"]
         parts = m.split(' ') if isinstance(m, str) else m
-        merged.append(model['vocab'][''.join(parts)])
+        pair = isinstance(parts, list) and len(parts) == 2
+        if not pair or not all(isinstance(p, str) for p in parts) or ''.join(parts) not in vocab:
+            raise ValueError(f"{unsupported}; its merge {m!r} is not two tokens whose join "
+                             f"is in its vocab")
+        merged.append(vocab[''.join(parts)])
     if any(a > b for a, b in zip(merged, merged[1:])):
         raise ValueError(f"{unsupported}; its merges are not in the order of their ids")
     kind = NFCEncoding if nfc else tiktoken.Encoding

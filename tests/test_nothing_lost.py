@@ -280,6 +280,32 @@ def test_a_tokenizer_json_of_another_shape_is_a_value_error(tmp_path, text):
         get_tokenizer(str(tmp_path / 'tokenizer.json'))
 
 
+@pytest.mark.parametrize('change, says', [
+    (lambda tj: tj['model'].pop('merges'), 'are of another shape'),
+    (lambda tj: tj['model'].update(merges=[5]), 'its merge 5 is not two tokens'),
+    (lambda tj: tj['model'].update(merges=['a b c']), "its merge 'a b c' is not two tokens"),
+    (lambda tj: tj['model'].update(merges=['zz qq']), "its merge 'zz qq' is not two tokens"),
+    (lambda tj: tj['model'].update(vocab={'a': '1'}), 'are of another shape'),
+    (lambda tj: tj['model'].update(vocab=[['a', 1]]), 'are of another shape'),
+    (lambda tj: tj.update(added_tokens={'x': 1}), 'are of another shape'),
+    (lambda tj: tj.update(added_tokens=[{'content': 'x', 'id': '7'}]), 'are of another shape'),
+])
+def test_a_tokenizer_json_with_merges_vocab_or_added_tokens_of_another_shape_is_a_value_error(tmp_path, change,
+                                                                                              says):
+    """Merges missing, not pairs of tokens or naming none of the vocab, a vocab that is no map of
+    text to integer ids, added tokens of another shape: each a ValueError naming what (train.py,
+    sample.py and eval.py print it as one line), where each was a KeyError or TypeError."""
+    from test_data import train_hf_tokenizer
+    from tokenizer import get_tokenizer
+    train_hf_tokenizer('smollm2', str(tmp_path))
+    path = tmp_path / 'tokenizer.json'
+    tj = json.loads(path.read_text())
+    change(tj)
+    path.write_text(json.dumps(tj))
+    with pytest.raises(ValueError, match=re.escape(says)):
+        get_tokenizer(str(path))
+
+
 @pytest.mark.parametrize('regex, says', [(r'((a*)*)*\1b', 'BacktrackLimitExceeded'), ('(?<=a', 'Parsing error')])
 def test_a_tokenizer_json_whose_regex_fails_is_a_value_error(tmp_path, regex, says):
     """A regex that backtracks too far makes tiktoken panic in Rust (an exception no
