@@ -534,3 +534,15 @@ def test_a_stored_checkpoint_is_compared_with_its_manifest_before_its_files_are_
     warnings = capsys.readouterr().err.splitlines()
     assert 'model.safetensors is not in its manifest at its stored size (8,388,608 bytes)' in warnings[1]
     assert 'its manifest is over 1,048,576 bytes' in warnings[0]
+
+
+def test_a_password_in_the_object_stores_endpoint_url_is_never_printed(s3_env, monkeypatch):
+    """AWS_ENDPOINT_URL=http://user:PASSWORD@host where nothing answers: the one-line error names the
+    endpoint with *** for the password (boto3 puts the URL in its message)."""
+    monkeypatch.setenv('AWS_ENDPOINT_URL', 'http://user:pa55-w0rd-x@127.0.0.1:9/')
+    monkeypatch.setenv('NANOBITNET_REMOTE_TIMEOUT', '20')
+    with pytest.raises(SystemExit) as refused:
+        remote.open_store('s3://runs/x', 'me')
+    message = str(refused.value)
+    assert message.startswith('error: cannot use s3://runs/x') and '\n' not in message
+    assert 'pa55-w0rd-x' not in message and 'user:***@127.0.0.1' in message, message
