@@ -12,7 +12,7 @@ sampled at temperature 1 up to `length` tokens. With --prompts, each line of the
 chat jsonl line as data.py reads them, up to its first answer; a task's problem, its
 prompt; or a line of plain text, a user's message) is put in the model's chat template
 and answered by sampling until the turn ends: the text a chat student must learn, its
-loss on the answers alone. Both are batched with the KV cache (engine.teacher_text);
+loss on the answers alone (--prompt_loss=True: on every token). Both are batched with the KV cache (engine.teacher_text);
 every document comes from its own seed, so the shards depend on `seed` alone. The val
 split is held out: documents from seeds the train split does not use, and every tenth
 prompt. The shards are prepare's (data.write_documents): train.py
@@ -42,6 +42,7 @@ greedy = 4             # ... tokens after the random one chosen greedily
 prompts = ''           # a prompt file (or rl.py's task by name): its answers, not its own text
 answers = 1            # ... answers per prompt, each from its own seed
 max_answer = 256       # ... tokens per answer at most
+prompt_loss = False    # ... the loss on the prompts' tokens too (else on the answers' alone)
 seed = 1337
 batch_size = 16
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
@@ -128,6 +129,7 @@ if prompts:
     documents, masks = {}, {}
     documents['train'], masks['train'] = answered(trained, seed)
     documents['val'], masks['val'] = answered(held_out, seed + 10 ** 6)
+    masks = None if prompt_loss else masks
 else:
     n = math.ceil(tokens / length)
     documents = {'train': own_text(n, seed),

@@ -102,6 +102,9 @@ def test_answers_to_prompts_hold_out_every_tenth_prompt_and_train_py_reads_them(
     assert masks(out, 'train') == sum(map(answer_mask, starts, train), [])  # the loss on the answers alone
     assert masks(out, 'val') == answer_mask(chat_prompt(enc, turns[9]), val)
     assert 0 < sum(masks(out, 'train')) < len(masks(out, 'train'))
+    r = teach(f'--ckpt={teacher}', f'--out={tmp_path / "all"}', f'--prompts={prompts}', '--max_answer=24',
+              '--batch_size=4', '--prompt_loss=True')  # the loss on every token: no mask, the same tokens
+    assert r.returncode == 0 and not list((tmp_path / 'all').glob('*.mask')) and tokens(tmp_path / 'all', 'train') == sum(train, [])
     assert b'Question 9' in enc.decode_bytes(val) and b'Question 9' not in enc.decode_bytes(sum(train, []))
     r = subprocess.run([sys.executable, 'train.py', f'--dataset={out}', '--tokenizer=bytes', f'--init_from={teacher}',
                         '--bitnet=True', '--max_steps=2', '--batch_size=2', '--block_size=32', '--eval_interval=2',
