@@ -40,23 +40,26 @@ def hold(folder):
     return handle
 
 
-def own_folder(out_dir, fresh):
-    """Hold out_dir for this process (hold). A ValueError, naming the folder and the ways
-    on, when another process holds it, or when a fresh run (`fresh`: not resuming) would
-    write where another run's checkpoints or log already are."""
+def own_folder(out_dir):
+    """Hold out_dir for this process (hold); a ValueError, naming the folder and the ways
+    on, when another process holds it."""
     handle = hold(out_dir)
     if handle is None:
         raise ValueError(f"out_dir={out_dir!r} is in use by another run; wait for it to "
                          f"end or set --out_dir to another folder")
+    return handle
+
+
+def check_fresh(out_dir):
+    """A ValueError, naming the folder and the ways on, when a fresh run (not a resume)
+    would write where another run's checkpoints or log already are."""
     names = sorted(os.listdir(out_dir))
     earlier = [n for n in names if NAME.fullmatch(n) or n == 'log.jsonl'
                or n.startswith(('.tmp_ckpt_', 'damaged_ckpt_'))]
-    if fresh and earlier:
-        os.close(handle)
+    if earlier:
         raise ValueError(f"out_dir={out_dir!r} holds another run ({', '.join(earlier[:3])}); "
                          f"continue it with --init_from=resume, or set --out_dir to a new "
                          f"folder")
-    return handle
 
 
 def git_commit():
@@ -221,7 +224,6 @@ class TrainState:
     tokenizer: str = 'bytes'
     tokenizer_file: str = None  # copied into every checkpoint, when there is one
     base: str = None         # a LoRA run's frozen base model
-    base_identity: str = None  # ... its identity (checkpoint.identity), set when it starts
     run_id: str = ''
     commit: str = ''
     step: int = 0
@@ -233,6 +235,7 @@ class TrainState:
     fsdp: bool = False
     zero1: bool = False
     lora: dict = field(default_factory=lambda: dict(rank=0))
+    base_identity: str = None  # a LoRA run's base's (checkpoint.identity), set at its start
 
     def __post_init__(self):
         if self.lora['rank'] and self.base:  # the adapters' base, as it is when they start

@@ -12,12 +12,12 @@ sampled at temperature 1 up to `length` tokens. With --prompts, each line of the
 chat jsonl line as data.py reads them, up to its first answer; a task's problem, its
 prompt; or a line of plain text, a user's message) is put in the model's chat template
 and answered by sampling until the turn ends: the text a chat student must learn, its
-loss on the answers alone (--prompt_loss=True: on every token). Both are batched with the KV cache (engine.teacher_text);
-every document comes from its own seed, so the shards depend on `seed` alone. The val
-split is held out: documents from seeds the train split does not use, and every tenth
-prompt. The shards are prepare's (data.write_documents): train.py
-reads them with --dataset=OUT and the teacher's tokenizer, in any objective, mixture or
-sweep.
+loss on the answers alone (--prompt_loss=True: on every token). Both are batched with the
+KV cache (engine.teacher_text); every document comes from its own seed, so the shards
+depend on `seed` alone. The val split is held out: documents from seeds the train split
+does not use, and every tenth prompt. The shards are prepare's (data.write_documents):
+train.py reads them with --dataset=OUT and the teacher's tokenizer, in any objective,
+mixture or sweep.
 """
 import itertools
 import json

@@ -218,13 +218,12 @@ if check:
     print(repr({'settings': settings_shown(config), 'ranges': ranges}))
     sys.exit()
 globals().update(config)
-try:  # where the run writes, its own (one process's); the zero-shot tasks, fetched once
+try:  # where the run writes, held by this process alone; the zero-shot tasks, fetched once
     if dataset:  # shards are made there: never inside a checkpoint
         checkpoint.check_output(dataset, 'dataset', made=True)
     checkpoint.make_out_dir(out_dir)
     if os.environ.get('RANK', '0') == '0':  # held until the process ends
-        fresh = init_from != 'resume' and '://' not in init_from
-        folder_lock = run_state.own_folder(out_dir, fresh)
+        folder_lock = run_state.own_folder(out_dir)
     if os.environ.get('LOCAL_RANK', '0') == '0':
         check_tasks(eval_tasks)
 except (OSError, ValueError) as e:
@@ -271,7 +270,6 @@ except (OSError, ValueError) as e:
     sys.exit(f"error: {e}")
 base = saved['base'] if saved and lora['rank'] else start  # LoRA checkpoints: adapters only
 run_id = run_state.run_id(saved)  # kept across resumes: the run's upload URL is its own
-uploader = Uploader(upload_to, run_id) if upload_to and master else None  # checked now
 
 # data: the tokenizer (the model's own unless one is named, which must encode as it does;
 # a resume keeps its own), then the offline corpus or token shards data.py prepares once
@@ -289,6 +287,12 @@ try:
                                            block_size, (task_file, choice_texts_named))
 except (OSError, ValueError, KeyError) as e:
     sys.exit(f"error: data: {e}")
+try:  # a fresh run never writes where another run's checkpoints or log are
+    if master and init_from != 'resume' and '://' not in init_from:
+        run_state.check_fresh(out_dir)
+    uploader = Uploader(upload_to, run_id) if upload_to and master else None  # checked now
+except ValueError as e:
+    sys.exit(f"error: {e}")
 batches_of = functools.partial(Batches, train_data, val_data, block_size=block_size,
                                rank=rank, world_size=world_size, seed=seed, pairs=pairs,
                                device=device)  # the run's batches, at a micro-batch size

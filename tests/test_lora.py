@@ -282,7 +282,7 @@ def test_a_lora_checkpoint_opens_only_on_the_base_it_was_trained_on(tmp_path):
     r = run([*TINY, f'--init_from={base_run}', '--lora.rank=4', '--max_steps=2', '--eval_interval=2', f'--out_dir={out}'])
     assert r.returncode == 0, r.stderr
     readers = [('sample.py', [f'--ckpt={out}', '--num_tokens=3', '--temperature=0']),
-               ('eval.py', [f'--ckpt={out}', '--eval_iters=1']),
+               ('eval.py', [f'--ckpt={out}', '--tasks=']),
                ('export.py', [f'--ckpt={out}', f'--gguf={tmp_path / "lora.gguf"}']),
                ('train.py', [*TINY, f'--out_dir={out}', '--init_from=resume', '--lora.rank=4', '--max_steps=3'])]
     shutil.copytree(base, tmp_path / 'saved')

@@ -285,7 +285,7 @@ def test_train_py_upcycles_a_dense_checkpoint_and_samples_from_it(tmp_path):
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    src = str(tmp_path / 'dense')
+    src = str(tmp_path / 'dense-model')  # its own folder: a run never writes into a model's
     torch.manual_seed(0)
     Transformer(ModelConfig(vocab_size=320, n_layer=1, n_embd=32, n_head=2, n_kv_head=1, intermediate_size=64,
                             max_seq_len=64)).save_pretrained(src)
