@@ -362,12 +362,22 @@ def test_an_upload_prefix_inside_a_checkpoint_is_refused(tmp_path):
     assert os.listdir(ckpt) == ['model.safetensors']
 
 
+def hub_stub(handler, monkeypatch):
+    """A hub on 127.0.0.1 that answers with `handler`; HF_ENDPOINT points at it."""
+    import http.server
+    import threading
+    server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv('HF_ENDPOINT', f'http://127.0.0.1:{server.server_address[1]}')
+    return server
+
+
 def test_a_hub_file_with_an_endless_body_stops_at_its_listed_size(tmp_path, monkeypatch):
     """The hub redirects a large file with its size (X-Linked-Size, 1000 bytes); its CDN
     then sends bytes without end and no Content-Length: the download stops in one error
     just past 1000 bytes, and deletes what it wrote."""
     import http.server
-    import threading
     import hub
 
     class Endless(http.server.BaseHTTPRequestHandler):
@@ -390,10 +400,7 @@ def test_a_hub_file_with_an_endless_body_stops_at_its_listed_size(tmp_path, monk
 
         def log_message(self, *args):
             pass
-    server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Endless)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    monkeypatch.setenv('HF_ENDPOINT', f'http://127.0.0.1:{server.server_address[1]}')
+    server = hub_stub(Endless, monkeypatch)
     try:
         with pytest.raises(hub.DownloadError, match='sends more than the 1,000 bytes'):
             hub.download(hub.endpoint() + '/org/repo/resolve/main/model.safetensors',
@@ -553,7 +560,6 @@ def test_a_hub_file_of_no_stated_size_has_a_cap_and_a_deadline(tmp_path, monkeyp
     limit plus its size at 100 KiB/s: 1 KiB every 0.05 s (never a stall) ends in one error, in time.
     Either way what it wrote is not the file."""
     import http.server
-    import threading
     import hub
 
     class Unsized(http.server.BaseHTTPRequestHandler):
@@ -572,10 +578,7 @@ def test_a_hub_file_of_no_stated_size_has_a_cap_and_a_deadline(tmp_path, monkeyp
 
         def log_message(self, *args):
             pass
-    server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Unsized)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    monkeypatch.setenv('HF_ENDPOINT', f'http://127.0.0.1:{server.server_address[1]}')
+    server = hub_stub(Unsized, monkeypatch)
     monkeypatch.setenv('NANOBITNET_CACHE', str(tmp_path))
     monkeypatch.setenv('NANOBITNET_HUB_TIMEOUT', '1')
     monkeypatch.setattr(hub, 'HUB_UNSIZED', 10 * 2 ** 20 if per_read is None else 102400)
