@@ -54,6 +54,12 @@ def checkpoints(folder):
     return sorted(p for p in paths if os.path.isdir(p) and not os.path.islink(p))
 
 
+def checkpoint_name(name):
+    """A name save gives a checkpoint, whole, in progress (.tmp_ckpt_*) or set aside
+    (damaged_ckpt_*)."""
+    return bool(NAME.fullmatch(name)) or name.startswith(('.tmp_ckpt_', 'damaged_ckpt_'))
+
+
 def check_output(path, setting, made=False):
     """A script's output path, checked before any work: its folder exists (unless the
     script makes it), and neither it nor a folder above it is a checkpoint, where a file
@@ -65,8 +71,7 @@ def check_output(path, setting, made=False):
     folder = real
     while folder != os.path.dirname(folder):
         name = os.path.basename(folder)
-        named = NAME.fullmatch(name) or name.startswith(('.tmp_ckpt_', 'damaged_ckpt_'))
-        if named or os.path.isfile(os.path.join(folder, MANIFEST)):
+        if checkpoint_name(name) or os.path.isfile(os.path.join(folder, MANIFEST)):
             raise ValueError(f"{setting}={path!r} is inside the checkpoint {folder}; "
                              f"set --{setting} outside it")
         folder = os.path.dirname(folder)

@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import dataclass, field
 from functools import partial
@@ -22,8 +23,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from checkpoint import (NAME, STATE, check_base, checkpoints, find, identity, latest, load,
-                        open_found, read_state, save)
+from checkpoint import (STATE, check_base, checkpoint_name, checkpoints, find, identity,
+                        latest, load, open_found, read_state, save)
 from hub import settings_shown
 from lora import save_adapters
 
@@ -40,10 +41,15 @@ def hold(folder):
     return handle
 
 
-def own_folder(out_dir):
+def own_folder(out_dir, wait=3.0):
     """Hold out_dir for this process (hold); a ValueError, naming the folder and the ways
-    on, when another process holds it."""
+    on, when another process still holds it after `wait` seconds (the ranks of a run just
+    killed take a moment to exit and let go)."""
     handle = hold(out_dir)
+    until = time.monotonic() + wait
+    while handle is None and time.monotonic() < until:
+        time.sleep(0.1)
+        handle = hold(out_dir)
     if handle is None:
         raise ValueError(f"out_dir={out_dir!r} is in use by another run; wait for it to "
                          f"end or set --out_dir to another folder")
@@ -54,8 +60,7 @@ def check_fresh(out_dir):
     """A ValueError, naming the folder and the ways on, when a fresh run (not a resume)
     would write where another run's checkpoints or log already are."""
     names = sorted(os.listdir(out_dir))
-    earlier = [n for n in names if NAME.fullmatch(n) or n == 'log.jsonl'
-               or n.startswith(('.tmp_ckpt_', 'damaged_ckpt_'))]
+    earlier = [n for n in names if checkpoint_name(n) or n == 'log.jsonl']
     if earlier:
         raise ValueError(f"out_dir={out_dir!r} holds another run ({', '.join(earlier[:3])}); "
                          f"continue it with --init_from=resume, or set --out_dir to a new "

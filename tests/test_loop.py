@@ -531,7 +531,7 @@ def test_one_process_at_a_time_in_a_run_folder_and_a_killed_one_leaves_no_lock(t
     folder and finishes the run."""
     out = str(tmp_path / 'out')
     args = ['--max_steps=6', '--ckpt.interval=2', f'--out_dir={out}']
-    proc = start(args, save_delay=5.0)
+    proc = start(args, save_delay=8.0)
     wait_for(os.path.join(out, 'ckpt_0000002'), proc)
     for second in (['--init_from=resume'], []):
         r = run([*args, *second])

@@ -83,6 +83,17 @@ def test_a_good_reply_lines_up_with_the_student_positions():
     assert torch.equal(out['topk_logprobs'], -torch.arange(1.0, 4.0).expand(2, 4, 3))
 
 
+def refusal(teacher, server):
+    """The one-line error the teacher stops with on a few tokens; the server shut down after."""
+    x = torch.tensor([[3, 7, 11, 49]])
+    try:
+        with pytest.raises(SystemExit) as refused:
+            teacher(x, x)
+    finally:
+        server.shutdown()
+    return str(refused.value)
+
+
 @pytest.mark.parametrize('trouble, says', [
     ('word key', "key 'the' is not a token id"),
     ('padded key', "key '007' is not a token id"),
@@ -97,14 +108,8 @@ def test_a_good_reply_lines_up_with_the_student_positions():
 def test_a_bad_reply_is_retried_then_refused_in_one_line(trouble, says):
     server, url = vllm_stub(trouble)
     teacher = RemoteTeacher(url, 'tiny', top_k=3, retries=2, backoff=0.01, vocab_size=VOCAB)
-    x = torch.tensor([[3, 7, 11, 49]])
-    try:
-        with pytest.raises(SystemExit) as refused:
-            teacher(x, x)
-    finally:
-        server.shutdown()
+    message = refusal(teacher, server)
     assert server.requests == 3  # the first try and two retries
-    message = str(refused.value)
     assert message.startswith(f"error: teacher server {url}/v1/completions failed after 3 tries")
     assert says in message and 'check that vLLM serves' in message and '\n' not in message
 
@@ -175,13 +180,8 @@ def test_a_teacher_urls_password_is_never_printed_logged_or_saved(tmp_path):
     server, url = vllm_stub('word key')
     with_password = url.replace('http://', f'http://student:{secret}@')
     teacher = RemoteTeacher(with_password, 'tiny', top_k=3, retries=0, backoff=0.01, vocab_size=VOCAB)
-    x = torch.tensor([[3, 7, 11, 49]])
-    try:
-        with pytest.raises(SystemExit) as refused:
-            teacher(x, x)
-    finally:
-        server.shutdown()
-    assert secret not in str(refused.value) and 'student:***@' in str(refused.value)
+    message = refusal(teacher, server)
+    assert secret not in message and 'student:***@' in message
     server, url = vllm_stub()
     with_password = url.replace('http://', f'http://student:{secret}@')
     args = [sys.executable, 'train.py', f'--teacher={with_password}', '--vllm.model=tiny', "--objectives={'kd': {}}",
