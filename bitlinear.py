@@ -1,51 +1,35 @@
 """
 BitLinear: the 1.58-bit linear layer of BitNet b1.58 (Ma et al. 2024, "The Era of 1-bit
-LLMs"), and the conversion of a model to it.
+LLMs"), and the conversion of a model to it. Needs only torch: works copied alone.
 
-A BitLinear keeps fp "latent" weights. Every forward quantizes them to {-1, 0, +1} times
-gamma = mean(|W|) (absmean), and the activations to int8 with one scale per token,
-s = 127 / max(|x|) (absmax), and computes what the int8 x ternary inference kernel does:
-y = (x_q @ W_q^T) * gamma / s. Rounding has no gradient, so training uses the
-straight-through estimator (STE, Bengio et al. 2013). Ternary at once throws a pretrained
-model back to random-init loss, so a trainer ramps lam from 0 (fp) to 1 (ternary) in
-`x + lam * (quant(x) - x).detach()`. `convert_to_bitnet` also puts two RMSNorms ("SubLN",
-Wang et al. 2023) before o_proj and down_proj, whose inputs are badly scaled for int8;
-ramped in with lam and calibrated, they keep a converted model itself at lam = 0. `freeze`
-packs the weights to 2 bits for inference. This file needs only torch and works copied
-alone; kernels.py beside it makes the same numbers faster.
+1. The definition: weights to {-1, 0, +1} times gamma = mean|W| (`weight_quant`),
+   activations to int8 with a scale per token (`activation_quant`), rounding passed over
+   by the straight-through estimator (`ste`, Bengio et al. 2013): `BitLinear.reference`.
+   lam ramps quantization in from fp (`set_lambda`); `convert_to_bitnet` puts SubLN
+   (Wang et al. 2023) before o_proj and down_proj, calibrated by `calibrate_subln`.
+2. The same numbers in less memory and time: `BitLinearFunction`, int8 codes saved for
+   backward (`quantized_weight`, `exact_product`, `output_dtype`); faster with kernels.py.
+3. Options: gamma per row (ParetoQ, Liu et al. 2025) or per row and `BLOCK` of 256
+   inputs, as llama.cpp's TQ2_0 (`absmean`, `blocks_of`, `per_weight`, `check_scales`);
+   an RMSNorm on each input (`normed`); a low-rank correction (`add_lrc`, `corrected`).
+4. Pack and freeze: 2-bit weights for inference (`freeze`, `PackedBitLinear`).
 """
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-try:  # kernels.py beside this file: the same numbers, faster (see "speed" below)
+try:  # kernels.py beside this file: the same numbers, faster (part 2)
     import kernels
 except ImportError:  # copied alone: everything in pure torch
     kernels = None
 
 
-BLOCK = 256  # weights per scale block: llama.cpp's TQ1_0/TQ2_0 scale each 256 of a row
-
-
-def per_weight(gamma, K):
-    """gamma in a shape that broadcasts against the (N, K) weights."""
-    if gamma.dim() < 2 or gamma.shape[1] == 1:
-        return gamma
-    return gamma.repeat_interleave(K // gamma.shape[1], dim=1)
-
+# ------------------------------------------------------------------ 1. the definition
 
 def weight_quant(w, scales='matrix'):
-    """absmean: W_q = round(W / gamma) clipped to {-1, 0, 1}; gamma = mean|W| (fp32) per
-    matrix (), row (N, 1; as ParetoQ, Liu et al. 2025) or block of 256 (N, K/256)."""
-    magnitudes = w.float().abs()
-    if scales == 'matrix':
-        mean = magnitudes.mean()
-    elif scales == 'row':
-        mean = magnitudes.mean(-1, keepdim=True)
-    else:
-        mean = magnitudes.unflatten(-1, (-1, BLOCK)).mean(-1)
-    gamma = mean.clamp(min=1e-5)  # a clamp on the mean, not an added epsilon
-    # zero exactly when |w| < gamma / 2
+    """absmean: W_q = round(W / gamma) clipped to {-1, 0, 1}, zero exactly where
+    |w| < gamma / 2; gamma = mean|W| (fp32) of the matrix, or of each row or block."""
+    gamma = absmean(w, scales)
     w_q = (w.float() / per_weight(gamma, w.shape[-1])).round_().clamp_(-1, 1)
     return w_q, gamma
 
@@ -57,8 +41,7 @@ def dequantize(w_q, gamma):
 
 def activation_quant(x):
     """absmax per token: x_q = round(x * s) clipped to int8; s = 127 / max|x| (fp32)."""
-    # max|x| in one pass (abs, then amax, would write |x| and read it again); exact in any
-    # dtype, so rounding it to fp32 after is rounding every |x| before
+    # max|x| in one pass (not abs, then amax); exact in any dtype, so fp32 after is as before
     amax = torch.linalg.vector_norm(x, float('inf'), dim=-1, keepdim=True).float()
     s = 127 / amax.clamp(min=1e-5)  # (..., 1)
     x_q = (x.float() * s).round_().clamp_(-128, 127)
@@ -70,93 +53,6 @@ def ste(x, value):
     return value.detach() + (x - x.detach())
 
 
-def scaled_product(matmul, x_q, s, w_q, gamma):
-    """(x_q @ W_q^T) * gamma / s from the integer codes, `matmul` exact. Block scales:
-    each block's product times its gammas, added in order, then / s (as kernels.py)."""
-    if gamma.dim() < 2 or gamma.shape[1] == 1:
-        # in place: the matmul's own fresh output; gamma as a row
-        return matmul(x_q, w_q).mul_(gamma.reshape(-1) / s)
-    y = None
-    for b, (x_b, w_b) in enumerate(zip(x_q.split(BLOCK, -1), w_q.split(BLOCK, -1))):
-        part = matmul(x_b.contiguous(), w_b).mul_(gamma[:, b])
-        y = part if y is None else y.add_(part)
-    return y.div_(s)
-
-
-def autocast_dtype(device_type):
-    """The dtype autocast runs matmuls in on this device, or None outside autocast."""
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return None
-
-
-# ---------------------------------------------------- speed: kernels.py, when it is here
-# The same numbers as the pure-torch fallbacks. Reuse happens only inside
-# kernels.holding_weights() (train.py: micro-steps and evaluations, not optimizer steps).
-
-def reused(t, compute, *key):
-    """compute(), or in kernels.holding_weights() the value kept for t, unchanged."""
-    return kernels.reused(t, compute, *key) if kernels else compute()
-
-
-def quantize_input(x):
-    """activation_quant as int8 codes and scales; kernels.py fuses it on CUDA."""
-    x_q, s = kernels.quantize_activations(x) if kernels else activation_quant(x)
-    return x_q.to(torch.int8), s
-
-
-def integer_matmul(a, b):
-    """a (M, K) @ b (N, K)^T of int8 codes, exact (int8 units, or fp32 sums < 2^24)."""
-    if kernels:
-        return kernels.int8_matmul(a, b)
-    with torch.autocast(a.device.type, enabled=False):
-        return a.float() @ b.float().t()
-
-
-class BitLinearFunction(torch.autograd.Function):
-    """A fully ternary BitLinear.reference as one autograd Function: the same numbers, bit
-    for bit, in less memory. Autograd through the definition keeps fp32 copies of the
-    fake-quantized x and W; here the forward is an integer matmul, and the STE gradients
-        grad_x = grad_y @ (gamma * W_q)        grad_W = grad_y^T @ (x_q / s)
-    need only x_q and W_q, saved as int8 (1 byte, not 4). Under autocast the output and
-    both backward matmuls are in its dtype, the forward still the exact integer product."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, w_q, gamma):
-        """w_q (N, K) int8 and gamma (), (N, 1) or (N, K/256): the weight quantized."""
-        # q, k and v read one x: inside kernels.holding_weights() they share its codes
-        x_q, s = reused(x, lambda: quantize_input(x.reshape(-1, x.shape[-1])))
-        ctx.save_for_backward(x_q, s, w_q, gamma)  # int8 (M, K), (M, 1), int8 (N, K)
-        ctx.has_bias, ctx.w_dtype, ctx.x_dtype = bias is not None, weight.dtype, x.dtype
-        ctx.dtype = autocast_dtype(x.device.type) or x.dtype  # output and backward
-        y = scaled_product(integer_matmul, x_q, s, w_q, gamma)  # (M, N)
-        y = y if bias is None else y + bias
-        return y.to(ctx.dtype).view(*x.shape[:-1], y.shape[-1])  # no -1: M may be 0
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        g = grad_y.reshape(-1, grad_y.shape[-1]).to(ctx.dtype)  # (M, N)
-        x_q, s, w_q, gamma = ctx.saved_tensors
-        # divide in fp32: in fp16 a token with max|x| < 1.9e-3 has s > 65504 = inf, and
-        # x_q / s = 0; q, k and v saved the same codes: dequantized once
-        x_f = reused(x_q, lambda: (x_q / s).to(g.dtype), g.dtype)
-        w_f = dequantize(w_q, gamma.to(g.dtype))  # int8 * gamma: one pass
-        grad_x = (g @ w_f).view(*grad_y.shape[:-1], w_f.shape[-1])
-        grad_w = g.t() @ x_f
-        grad_b = g.sum(0) if ctx.has_bias else None
-        return grad_x.to(ctx.x_dtype), grad_w.to(ctx.w_dtype), grad_b, None, None
-
-
-def normed(layer, x):
-    """The layer's input norm, if it has one (convert_to_bitnet's input_norms)."""
-    return x if layer.rms_norm is None else layer.rms_norm(x)
-
-
-def corrected(layer, x, y):
-    """y plus the low-rank correction of the unquantized input x, if any (add_lrc)."""
-    return y if layer.lrc_u is None else y + F.linear(F.linear(x, layer.lrc_v), layer.lrc_u)
-
-
 class BitLinear(nn.Linear):
     """nn.Linear with ternary weights and int8 activations, trained with the STE. Its state
     dict is an nn.Linear's (the latent fp weights), transformers' online format."""
@@ -166,40 +62,29 @@ class BitLinear(nn.Linear):
         # a tensor, not a float: changing it during warmup does not recompile
         self.register_buffer('lam', torch.ones((), device=device), persistent=False)
         self.full = True  # lam == 1: fully ternary, the int8 path
-        self.scales = 'matrix'  # gamma per 'matrix', 'row' or 'block' (weight_quant)
-        self.rms_norm = None  # the optional norm of its input, see convert_to_bitnet
-        self.lrc_u = self.lrc_v = None  # the optional low-rank correction, see add_lrc
+        self.scales = 'matrix'  # gamma per 'matrix', 'row' or 'block' (options)
+        self.rms_norm = None  # the optional norm of its input (options)
+        self.lrc_u = self.lrc_v = None  # the optional low-rank correction (options)
 
     def reference(self, x):
-        """The definition: input norm; fake quantization blended by lam, STE; low-rank
-        correction. Fully ternary, the value is the exact integer product, as in the int8
-        kernel (F.linear(x_q / s, gamma * W_q) rounds otherwise: bench.py curve)."""
+        """The definition: input norm; fake quantization blended by lam (lerp is exact at
+        1), STE; low-rank correction. Fully ternary, the int8 kernel's exact product."""
         x = normed(self, x)
         w_q, gamma = weight_quant(self.weight.detach(), self.scales)
         x_q, s = activation_quant(x.detach())
-        # lerp is exact at lam = 1
         w = ste(self.weight, torch.lerp(self.weight.float(), dequantize(w_q, gamma), self.lam))
         y = F.linear(ste(x, torch.lerp(x.float(), x_q / s, self.lam)), w, self.bias)
-        if self.full:
-            with torch.autocast(x.device.type, enabled=False):  # exact, not in bf16
-                exact = scaled_product(F.linear, x_q, s, w_q, gamma)
-            y = ste(y, exact if self.bias is None else exact + self.bias)
-        return corrected(self, x, y.to(autocast_dtype(x.device.type) or x.dtype))
+        if self.full:  # the int8 kernel's exact product, the gradient of the line above
+            y = ste(y, exact_product(x_q, s, w_q, gamma, self.bias))
+        return corrected(self, x, y.to(output_dtype(x)))
 
     def forward(self, x):
         """`reference`'s numbers: itself during warmup, then BitLinearFunction."""
         if not self.full:
             return self.reference(x)
         x = normed(self, x)
-        w_q, gamma = self.quantized_weight()
+        w_q, gamma = quantized_weight(self)
         return corrected(self, x, BitLinearFunction.apply(x, self.weight, self.bias, w_q, gamma))
-
-    def quantized_weight(self):
-        """W_q as int8 and gamma: once for all micro-steps in kernels.holding_weights()."""
-        def quantize():
-            w_q, gamma = weight_quant(self.weight.detach(), self.scales)
-            return w_q.to(torch.int8), gamma
-        return reused(self.weight, quantize, self.scales)
 
 
 TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
@@ -235,9 +120,7 @@ def convert_to_bitnet(module, eps=1e-5, targets=TARGETS, scales='matrix', input_
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if name in targets and type(child) is nn.Linear:
-                if scales == 'block' and child.in_features % BLOCK:
-                    raise ValueError(f"{name} has {child.in_features} inputs, no multiple "
-                                     f"of {BLOCK}: use weight_scale='row', not 'block'")
+                check_scales(scales, name, child.in_features)
                 w = child.weight
                 bit = BitLinear(child.in_features, child.out_features,
                                 child.bias is not None, w.device, w.dtype)
@@ -279,23 +162,153 @@ def calibrate_subln(model, batches):
     return model
 
 
+# ------------------------------------------- 2. the same numbers in less memory and time
+
+def output_dtype(x):
+    """A BitLinear's output dtype: autocast's on x's device, else x's."""
+    autocast = torch.is_autocast_enabled(x.device.type)
+    return torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+
+
+def reused(t, compute, *key):
+    """compute(), or in kernels.holding_weights() the value kept for t, unchanged."""
+    return kernels.reused(t, compute, *key) if kernels else compute()
+
+
+def quantize_input(x):
+    """activation_quant as int8 codes and scales; kernels.py fuses it on CUDA."""
+    x_q, s = kernels.quantize_activations(x) if kernels else activation_quant(x)
+    return x_q.to(torch.int8), s
+
+
+def integer_matmul(a, b):
+    """a (M, K) @ b (N, K)^T of int8 codes, exact (int8 units, or fp32 sums < 2^24)."""
+    if kernels:
+        return kernels.int8_matmul(a, b)
+    with torch.autocast(a.device.type, enabled=False):
+        return a.float() @ b.float().t()
+
+
+def scaled_product(matmul, x_q, s, w_q, gamma):
+    """(x_q @ W_q^T) * gamma / s from the integer codes, `matmul` exact. Block scales:
+    each block's product times its gammas, added in order, then / s (as kernels.py)."""
+    if blocks_of(gamma) == 1:
+        return matmul(x_q, w_q).mul_(gamma.reshape(-1) / s)  # in place: a fresh output
+    y = None
+    for b, (x_b, w_b) in enumerate(zip(x_q.split(BLOCK, -1), w_q.split(BLOCK, -1))):
+        part = matmul(x_b.contiguous(), w_b).mul_(gamma[:, b])
+        y = part if y is None else y.add_(part)
+    return y.div_(s)
+
+
+def exact_product(x_q, s, w_q, gamma, bias=None):
+    """(x_q @ W_q^T) * gamma / s (+ bias) as the int8 kernel computes it: in fp32 even
+    under autocast (F.linear(x_q / s, gamma * W_q) rounds otherwise: bench.py curve)."""
+    with torch.autocast(x_q.device.type, enabled=False):
+        y = scaled_product(F.linear, x_q, s, w_q, gamma)
+    return y if bias is None else y + bias
+
+
+def quantized_weight(layer):
+    """A BitLinear's W_q as int8 and gamma: once for all micro-steps in a hold."""
+    def quantize():
+        w_q, gamma = weight_quant(layer.weight.detach(), layer.scales)
+        return w_q.to(torch.int8), gamma
+    return reused(layer.weight, quantize, layer.scales)
+
+
+class BitLinearFunction(torch.autograd.Function):
+    """A fully ternary BitLinear.reference, bit for bit, in less memory: where autograd
+    through the definition keeps fp32 copies of the fake-quantized x and W, the gradients
+        grad_x = grad_y @ (gamma * W_q)        grad_W = grad_y^T @ (x_q / s)
+    need x_q and W_q only, saved as int8; under autocast, output and backward in its dtype."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, w_q, gamma):
+        """w_q (N, K) int8 and gamma (), (N, 1) or (N, K/256): the weight quantized."""
+        # q, k and v read one x: inside kernels.holding_weights() they share its codes
+        x_q, s = reused(x, lambda: quantize_input(x.reshape(-1, x.shape[-1])))
+        ctx.save_for_backward(x_q, s, w_q, gamma)  # int8 (M, K), (M, 1), int8 (N, K)
+        ctx.has_bias, ctx.w_dtype, ctx.x_dtype = bias is not None, weight.dtype, x.dtype
+        ctx.dtype = output_dtype(x)  # of the output and the backward
+        y = scaled_product(integer_matmul, x_q, s, w_q, gamma)  # (M, N)
+        y = y if bias is None else y + bias
+        return y.to(ctx.dtype).view(*x.shape[:-1], y.shape[-1])  # no -1: M may be 0
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        g = grad_y.reshape(-1, grad_y.shape[-1]).to(ctx.dtype)  # (M, N)
+        x_q, s, w_q, gamma = ctx.saved_tensors
+        # divide in fp32: in fp16 a token with max|x| < 1.9e-3 has s > 65504 = inf, and
+        # x_q / s = 0; q, k and v saved the same codes: dequantized once
+        x_f = reused(x_q, lambda: (x_q / s).to(g.dtype), g.dtype)
+        w_f = dequantize(w_q, gamma.to(g.dtype))  # int8 * gamma: one pass
+        grad_x = (g @ w_f).view(*grad_y.shape[:-1], w_f.shape[-1])
+        grad_w = g.t() @ x_f
+        grad_b = g.sum(0) if ctx.has_bias else None
+        return grad_x.to(ctx.x_dtype), grad_w.to(ctx.w_dtype), grad_b, None, None
+
+
+# ------------------------------------------------------------------------- 3. options
+
+BLOCK = 256  # weights per scale block: llama.cpp's TQ1_0/TQ2_0 scale each 256 of a row
+
+
+def absmean(w, scales):
+    """mean|W| (fp32), clamped at 1e-5 (not shifted): of the matrix (), of each row
+    (N, 1) or of each row's blocks of BLOCK inputs (N, K/256)."""
+    magnitudes = w.float().abs()
+    if scales == 'matrix':
+        return magnitudes.mean().clamp(min=1e-5)
+    if scales == 'block':  # each row's blocks as rows of their own
+        return magnitudes.unflatten(-1, (-1, BLOCK)).mean(-1).clamp(min=1e-5)
+    return magnitudes.mean(-1, keepdim=True).clamp(min=1e-5)
+
+
+def blocks_of(gamma):
+    """How many blocks of each row gamma scales apart: 1 for a matrix's or a row's."""
+    return 1 if gamma.dim() < 2 else gamma.shape[1]
+
+
+def per_weight(gamma, K):
+    """gamma in a shape that broadcasts against the (N, K) weights."""
+    n = blocks_of(gamma)
+    return gamma if n == 1 else gamma.repeat_interleave(K // n, dim=1)
+
+
+def check_scales(scales, name, K):
+    """A ValueError for block scales on K inputs, no multiple of BLOCK."""
+    if scales == 'block' and K % BLOCK:
+        raise ValueError(f"{name} has {K} inputs, no multiple of {BLOCK}: use weight_scale='row'")
+
+
+def normed(layer, x):
+    """The layer's input norm, if it has one (convert_to_bitnet's input_norms)."""
+    return x if layer.rms_norm is None else layer.rms_norm(x)
+
+
+def corrected(layer, x, y):
+    """y plus the low-rank correction of the unquantized input x, if any (add_lrc)."""
+    return y if layer.lrc_u is None else y + F.linear(F.linear(x, layer.lrc_v), layer.lrc_u)
+
+
 def add_lrc(module, rank):
     """Low-rank correction (LRC): y = BitLinear(x) + U (V^T x), fp factors U (out, r) and
     V^T (r, in) on the unquantized input, starting as the rank-r SVD of the residual
-    W - gamma * W_q (both at zero would never move: each one's gradient is the other's)."""
+    W - gamma * W_q, its singular values split evenly between the two (both at zero would
+    never move: each one's gradient is the other's)."""
     for m in module.modules():
         if isinstance(m, BitLinear):
             w_q, gamma = weight_quant(m.weight, m.scales)
             residual = m.weight.detach().float() - dequantize(w_q, gamma)
             U, S, Vh = torch.linalg.svd(residual, full_matrices=False)
-            # split the singular values evenly between the factors
             root = S[:rank].sqrt()
             m.lrc_u = nn.Parameter((U[:, :rank] * root).to(m.weight.dtype))
             m.lrc_v = nn.Parameter((root[:, None] * Vh[:rank]).to(m.weight.dtype))
     return module
 
 
-# ------------------------------------------------------ inference: frozen 2-bit weights
+# ------------------------------------------------------------------ 4. pack and freeze
 
 def pack_hf(w_q):
     """(N, K) in {-1, 0, 1} -> uint8 (ceil(N/4), K), transformers' offline layout (as
@@ -311,8 +324,8 @@ def unpack_hf(packed, N):
 
 
 class PackedFunction(torch.autograd.Function):
-    """A packed layer, differentiable in x for adapters below it (LoRA): the STE's grad_x
-    = grad_y @ (gamma * W_q), W_q unpacked for one layer's backward and freed at once."""
+    """A packed layer, differentiable in x for adapters below it (LoRA): the STE's grad_x =
+    grad_y @ (gamma * W_q), W_q unpacked for one backward and freed."""
 
     @staticmethod
     def forward(ctx, x, layer):
@@ -329,16 +342,15 @@ class PackedFunction(torch.autograd.Function):
 
 
 class PackedBitLinear(nn.Module):
-    """A frozen BitLinear: 2-bit weights (kernels.py's layout when it is there) and gamma.
-    Its state dict is transformers' offline format: `weight` uint8 (ceil(out/4), in),
-    `weight_scale` (1,) or ours (N,) / (N, K/256), and `bias / gamma`, as AutoBitLinear
-    computes (x_q @ W_q^T / s + bias) * gamma."""
+    """A frozen BitLinear: 2-bit weights (kernels.py's layout when it is there) and gamma;
+    its state dict transformers' offline format: `weight` uint8 (ceil(out/4), in), gamma
+    `weight_scale` (1,) or ours (N,) / (N, K/256), `bias / gamma` (AutoBitLinear's)."""
 
     def __init__(self, w_q, gamma, bias=None):
         super().__init__()
         self.out_features, self.in_features = w_q.shape
         self.register_buffer('weight', kernels.pack(w_q) if kernels else pack_hf(w_q))
-        flat = gamma.dim() < 2 or gamma.shape[1] == 1  # (1,) per matrix, (N,) per row
+        flat = blocks_of(gamma) == 1  # stored (1,) per matrix, (N,) per row
         self.register_buffer('weight_scale', (gamma.reshape(-1) if flat else gamma).float())
         self.bias = bias
         self.rms_norm = self.lrc_u = self.lrc_v = None
@@ -364,8 +376,7 @@ class PackedBitLinear(nn.Module):
         super()._save_to_state_dict(dest, prefix, keep_vars)
         if kernels:  # files hold the HF layout, whatever layout the kernels read
             dest[prefix + 'weight'] = pack_hf(self.w_q())
-        # transformers' offline bias is divided by the one gamma of its row; block scales
-        # (our own format) keep it as it is
+        # transformers' offline bias is bias / gamma of its row; block scales (ours) keep it
         if self.bias is not None and self.weight_scale.dim() == 1:
             dest[prefix + 'bias'] = self.bias.detach() / self.weight_scale
 
