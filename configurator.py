@@ -22,14 +22,18 @@ Ranges are declared by the script beside its settings: 'positive' (above 0),
 'non-negative' (0 or above), 'fraction' (0 to 1), 'non-empty', or a tuple of the allowed
 values.
 Scripts that take positional words (a section, a folder) split them off with `words`
-first; every script reads its arguments here and nowhere else.
+first; every script reads its arguments here and nowhere else. A mistake found while
+a script sets up (a file the settings name, settings that cannot go together) ends it
+in one line too: `with one_line('data: '):` around that step.
 """
 import ast
+import contextlib
 import copy
 import difflib
 import inspect
 import math
 import os
+import sys
 
 RANGES = {
     'positive': (lambda v: v > 0, 'above 0'),
@@ -37,6 +41,21 @@ RANGES = {
     'fraction': (lambda v: 0 <= v <= 1, 'between 0 and 1'),
     'non-empty': (lambda v: len(v) > 0, 'that is not empty'),
 }
+
+
+# what a set-up step raises for a bad setting or file: missing or unreadable (OSError),
+# of another shape or value (ValueError, KeyError, TypeError), refused by torch (RuntimeError)
+SETUP_ERRORS = (OSError, ValueError, KeyError, TypeError, RuntimeError)
+
+
+@contextlib.contextmanager
+def one_line(step=''):
+    """Ends the script with `error: <step><what is wrong>` and exit status 1, no
+    traceback, when the set-up step inside raises one of SETUP_ERRORS."""
+    try:
+        yield
+    except SETUP_ERRORS as e:
+        sys.exit(f"error: {step}{e}")
 
 
 def _check(config, key, value, shown=None):

@@ -49,8 +49,8 @@ def param_groups(model, lr, weight_decay, embed_lr=0.0, head_lr=0.0, scalar_lr=0
 def make_optimizers(groups, kind='adamw', lr=1e-3, betas=(0.9, 0.95), zero1=False):
     """AdamW for every group, or Muon for the hidden matrices: it orthogonalises each
     update (Newton-Schulz), scaled by match_rms_adamw to take an AdamW-sized LR; the
-    rest stays on AdamW. zero1: each rank keeps and updates the optimizer state of its
-    share of the parameters."""
+    rest stays on AdamW. zero1: each rank of the process group keeps and updates the
+    optimizer state of its share of the parameters (alone, a process keeps it all)."""
     if kind not in ('adamw', 'muon'):
         raise ValueError(f"optimizer={kind!r}; use adamw or muon")
     rest = [g for g in groups if kind == 'adamw' or g['name'] != 'hidden']
@@ -59,7 +59,8 @@ def make_optimizers(groups, kind='adamw', lr=1e-3, betas=(0.9, 0.95), zero1=Fals
         hidden = [g for g in groups if g['name'] == 'hidden']
         args = dict(lr=lr, momentum=0.95, nesterov=True, adjust_lr_fn='match_rms_adamw')
         made.append((torch.optim.Muon, hidden, args))
-    if zero1:  # imported here: it takes a second, which every start of train.py would pay
+    if zero1 and torch.distributed.is_initialized():
+        # imported here: it takes a second, which every start of train.py would pay
         from torch.distributed.optim import ZeroRedundancyOptimizer
         return [ZeroRedundancyOptimizer(g, optimizer_class=cls, **kw)
                 for cls, g, kw in made]
@@ -324,7 +325,11 @@ def fit_batch(try_batch, batch_size, accumulation, device):
 def join_ranks(device):
     """(ddp, rank, local rank, world size, device) of this process: under torchrun (which
     sets RANK, LOCAL_RANK and WORLD_SIZE) the process group joined, nccl on CUDA (each
-    rank on its own GPU) and gloo on CPU; alone, rank 0 of 1 on `device`."""
+    rank on its own GPU) and gloo on CPU; alone, rank 0 of 1 on `device`. A ValueError
+    for a CUDA device where torch sees no GPU."""
+    if device.startswith('cuda') and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}, but this torch sees no CUDA GPU; "
+                         "set --device=cpu")
     if 'RANK' not in os.environ:
         return False, 0, 0, 1, device
     torch.distributed.init_process_group('nccl' if device.startswith('cuda') else 'gloo')

@@ -35,7 +35,7 @@ import checkpoint
 import run_state
 import teachers
 from bitlinear import TARGETS, set_lambda
-from configurator import configure
+from configurator import configure, one_line
 from data import Batches, run_data
 from engine import complete
 from eval import check_tasks, choice_texts_named, token_bytes, val_loss, zero_shot
@@ -218,7 +218,8 @@ if check:
     print(repr({'settings': settings_shown(config), 'ranges': ranges}))
     sys.exit()
 globals().update(config)
-try:  # where the run writes, held by this process alone; the zero-shot tasks, fetched once
+# each set-up step below that finds a mistake ends the run in one line (configurator)
+with one_line():  # where the run writes, held by this process alone; the zero-shot tasks
     if dataset:  # shards are made there: never inside a checkpoint
         checkpoint.check_output(dataset, 'dataset', made=True)
     checkpoint.make_out_dir(out_dir)
@@ -226,26 +227,20 @@ try:  # where the run writes, held by this process alone; the zero-shot tasks, f
         folder_lock = run_state.own_folder(out_dir)
     if os.environ.get('LOCAL_RANK', '0') == '0':
         check_tasks(eval_tasks)
-except (OSError, ValueError) as e:
-    sys.exit(f"error: {e}")
-if device.startswith('cuda') and not torch.cuda.is_available():
-    sys.exit(f"error: device={device!r}, but this torch sees no CUDA GPU; set --device=cpu")
 
 # DDP: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; each rank takes its GPU and its
 # share of the accumulation steps. The set-up below finishes the settings (auto batch, the
 # LR finder too) before anything takes them; from the optimizers on, they are final.
-ddp, rank, local_rank, world_size, device = join_ranks(device)
-if gradient_accumulation_steps % world_size:
-    sys.exit(f"error: gradient_accumulation_steps={gradient_accumulation_steps} must be a "
-             f"multiple of the {world_size} ranks")
-gradient_accumulation_steps //= world_size  # the same global batch on any ranks
-master = rank == 0  # logs, checkpoints and samples
-try:  # the settings that cannot go together
+with one_line():  # the ranks joined; the settings that cannot go together
+    ddp, rank, local_rank, world_size, device = join_ranks(device)
+    if gradient_accumulation_steps % world_size:
+        raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} must "
+                         f"be a multiple of the {world_size} ranks")
     cpu_compile = compile and device == 'cpu'
     check_sharding(fsdp, zero1, ddp, optimizer, lr_find, cpu_compile, 'block' in objectives)
     check_lora(lora, init_from, fsdp, lambda_warmup)
-except ValueError as e:
-    sys.exit(f"error: {e}")
+gradient_accumulation_steps //= world_size  # the same global batch on any ranks
+master = rank == 0  # logs, checkpoints and samples
 device_type = 'cuda' if device.startswith('cuda') else 'cpu'
 ptdtype = getattr(torch, dtype)
 ctx = nullcontext()
@@ -262,20 +257,17 @@ if '://' in init_from and local_rank == 0:
     download_latest(init_from, out_dir)
 if '://' in init_from and ddp:
     dist.barrier()
-try:
+with one_line():
     start, saved = run_state.starting_point(init_from, out_dir, master)
     fixed = {k: config[k] for k in FIXED}
     run_state.check_start(saved, start, fixed, world_size, stop_after, max_steps)
-except (OSError, ValueError) as e:
-    sys.exit(f"error: {e}")
 base = saved['base'] if saved and lora['rank'] else start  # LoRA checkpoints: adapters only
 run_id = run_state.run_id(saved)  # kept across resumes: the run's upload URL is its own
 
 # data: the tokenizer (the model's own unless one is named, which must encode as it does;
 # a resume keeps its own), then the offline corpus or token shards data.py prepares once
-# (local rank 0), with the offline tasks' files it names. A resume sees the batches it
-# would have seen (data.Batches).
-try:
+# (local rank 0) with the task files it names; a resume sees the batches it would have seen
+with one_line('data: '):
     own = checkpoint.tokenizer_of(start) if start and not saved else None
     wanted = tokenizer
     if checkpoint.checkpoints(tokenizer):  # a run's folder: its newest checkpoint's
@@ -285,20 +277,16 @@ try:
     train_data, val_data, pairs = run_data(dataset, prepare, mixture, remix['interval'],
                                            enc, tokenizer_name, tokenizer_file, dpo_data,
                                            block_size, (task_file, choice_texts_named))
-except (OSError, ValueError, KeyError) as e:
-    sys.exit(f"error: data: {e}")
-try:  # a fresh run never writes where another run's checkpoints or log are
+with one_line():  # a fresh run never writes where another run's checkpoints or log are
     if master and init_from != 'resume' and '://' not in init_from:
         run_state.check_fresh(out_dir)
     uploader = Uploader(upload_to, run_id) if upload_to and master else None  # checked now
-except ValueError as e:
-    sys.exit(f"error: {e}")
 batches_of = functools.partial(Batches, train_data, val_data, block_size=block_size,
                                rank=rank, world_size=world_size, seed=seed, pairs=pairs,
                                device=device)  # the run's batches, at a micro-batch size
 
 # model: from scratch, or a checkpoint (converted to ternary, SubLN calibrated on batches)
-try:
+with one_line('model: '):
     if init_from == 'scratch':
         # the vocabulary padded to a multiple of 64 (faster matmuls, spare rows such as
         # diffusion's mask token); documents start with EOS, so it is also the BOS
@@ -309,8 +297,6 @@ try:
     else:  # a LoRA run's base is verified on resume as at its start (its checkpoint: already)
         model = run_state.starting_model(base, base == start, enc.n_vocab, block_size, moe)
     check_fits(model.config, batch_size, block_size, device, eval_iters)  # before any batch
-except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
-    sys.exit(f"error: model: {e}")
 model.to(device)
 if bitnet and not model.config.bitnet and not lora['rank']:
     model.to_bitnet(batches_of(batch_size).calibration(subln_calib), linear_norm, weight_scale)
@@ -328,7 +314,7 @@ if master:
 
 # objectives and the teacher they distil from; GRPO's prompts, read once (under FSDP
 # all ranks sample until all are done)
-try:
+with one_line():
     switch = set_adapters if lora['rank'] else None  # a LoRA run's base: its reference
     teacher_net = teachers.from_settings(teacher, vllm, raw_model, switch, device, ptdtype)
     mask_id = None  # masked diffusion's: the tokenizer's, or a spare embedding row
@@ -338,8 +324,6 @@ try:
                                              raw_model, mask_id)
     rollouts = Rollouts.from_settings(grpo, manager.readers(), enc, raw_model.config.max_seq_len,
                                       seed, rank, world_size, sync=fsdp)
-except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
-    sys.exit(f"error: {e}")
 
 # auto batch: the largest micro-batch that fits, by trying one forward and backward of
 # the run's own kind of batch; the same global batch, in more micro-steps
@@ -355,17 +339,18 @@ model = distribute(raw_model, fsdp, ddp and not fsdp, compile, ptdtype, local_ra
 scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)  # fp16
 
 
-def micro_steps(run, step, b):
-    """Forward and backward over the step's micro-batches; the mean loss and metrics."""
+def micro_steps(run, model, manager, batches, step, b):
+    """Forward and backward over the step's micro-batches, the first of them b; the mean
+    loss and metrics. `model` is run.model as it trains: wrapped in DDP, or compiled."""
+    steps = gradient_accumulation_steps
     # the logged loss is the mean over all micro-steps, not the last one's
-    loss_sum, metrics = torch.zeros((), device=device), {}
-    samples = [{}] * gradient_accumulation_steps
+    loss_sum, metrics = 0.0, {}
+    samples = [{}] * steps
     if run.rollouts and manager.samples(step / max_steps):  # the model's own completions
-        samples, metrics = run.rollouts.step(run.model, step, batch_size,
-                                             gradient_accumulation_steps)
-    for micro in range(gradient_accumulation_steps):
+        samples, metrics = run.rollouts.step(run.model, step, batches.B, steps)
+    for micro in range(steps):
         b = b | samples[micro]
-        last = micro == gradient_accumulation_steps - 1
+        last = micro == steps - 1
         sync = nullcontext()  # DDP: all-reduce (FSDP: reduce-scatter) after the last only
         if fsdp:
             run.model.set_requires_gradient_sync(last)
@@ -376,40 +361,40 @@ def micro_steps(run, step, b):
                 loss, parts = manager(model, b, step / max_steps)
             if not last:  # the next batch while the GPU works
                 b = batches.get(step, micro + 1)
-            loss_sum += loss.detach()
+            loss_sum = loss_sum + loss.detach().float()
             for k, v in parts.items():  # the mean over micro-steps, like the loss
-                metrics[k] = metrics.get(k, 0.0) + v / gradient_accumulation_steps
+                metrics[k] = metrics.get(k, 0.0) + v / steps
             # the gradients add up to those of the mean loss
-            run.scaler.scale(loss / gradient_accumulation_steps).backward()
-    return loss_sum / gradient_accumulation_steps, metrics
+            run.scaler.scale(loss / steps).backward()
+    return loss_sum / steps, metrics
 
 
-def new_optimizers(lr):
+def new_optimizers(model, lr):
     """AdamW, or Muon on the hidden matrices, each group at its own base LR (the hidden
-    matrices' at lr)."""
-    groups = param_groups(raw_model, lr, weight_decay, group_lr['embed'], group_lr['head'],
+    matrices' at lr); zero1 shards their state over the ranks."""
+    groups = param_groups(model, lr, weight_decay, group_lr['embed'], group_lr['head'],
                           group_lr['scalar'])
-    betas = (adamw['beta1'], adamw['beta2'])
-    return make_optimizers(groups, optimizer, lr, betas, zero1 and ddp)
+    return make_optimizers(groups, optimizer, lr, (adamw['beta1'], adamw['beta2']), zero1)
 
 
 if lr_find and saved:  # the LR the range test found when the run began (saved below)
     learning_rate, min_lr = saved['config']['learning_rate'], saved['config']['min_lr']
 elif lr_find:  # throwaway optimizers; the model is put back afterwards
-    probe = TrainState(raw_model, new_optimizers(learning_rate), scaler, rollouts=rollouts)
+    probe = TrainState(raw_model, new_optimizers(raw_model, learning_rate), scaler,
+                       rollouts=rollouts)
 
     def lr_probe(i, lr):
         """One optimizer step at LR lr on step i's batches; its loss."""
         set_lr(probe.optimizers, lr / learning_rate)
-        loss, _ = micro_steps(probe, 0, batches.get(i, 0))
-        optimizer_step(probe.optimizers, scaler)
+        loss, _ = micro_steps(probe, model, manager, batches, 0, batches.get(i, 0))
+        optimizer_step(probe.optimizers, probe.scaler)
         return rank_mean(loss).item()
     found = find_lr(lr_probe, out_dir, raw_model, verbose=master)
     min_lr = min_lr * found / learning_rate
     learning_rate = found
     config |= dict(learning_rate=learning_rate, min_lr=min_lr)  # saved with the settings
 # the run's state (run_state.TrainState: all a checkpoint saves), restored on a resume
-run = TrainState(raw_model, new_optimizers(learning_rate), scaler,
+run = TrainState(raw_model, new_optimizers(raw_model, learning_rate), scaler,
                  ZClip(zclip, max_norm=grad_clip) if zclip else None, batches.loader,
                  rollouts, config, tokenizer_name, tokenizer_file, base, run_id,
                  run_state.git_commit(), out_dir=out_dir, keep_last=ckpt['keep_last'],
@@ -462,7 +447,7 @@ while run.step < (stop_after or max_steps):
     # the weights hold still until the optimizer steps: kernels.py quantizes each one once
     # for all micro-steps (and reuses an input's codes), and forgets it all at the end
     with holding_weights():
-        train_loss, metrics = micro_steps(run, step, b)
+        train_loss, metrics = micro_steps(run, model, manager, batches, step, b)
     grad_norm, zclipped = clip_gradients(model, run.optimizers, scaler, grad_clip, run.zclip)
     skipped = not math.isfinite(grad_norm.item())
     # a NaN/Inf loss or gradient (fp16 overflow, a bad batch): skip the step, or stop
