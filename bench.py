@@ -250,9 +250,15 @@ def bench_decode(prompt=128, new=32):
             print(f"{k:>36}" + "".join(f"{v:12.2f}" for v in p.values()))
 
 
-def bf16_head(x, w):
+class Bf16Head(nn.Module):
     """fp32 activations through a bf16 head: ours decodes with the bf16 model's head."""
-    return F.linear(x.to(w.dtype), w).float()
+
+    def __init__(self, weight):
+        super().__init__()
+        self.bf16_weight = weight
+
+    def forward(self, x):
+        return F.linear(x.to(self.bf16_weight.dtype), self.bf16_weight).float()
 
 
 @torch.no_grad()
@@ -270,7 +276,7 @@ def bench_decode_cuda(prompt=128, new=64):
         bf16 = Transformer(cfg).to(device).eval()
         packed = fuse(deepcopy(bf16).to_bitnet().freeze())
         bf16 = bf16.to(torch.bfloat16)
-        packed.use_head(functools.partial(bf16_head, w=bf16.lm_head.weight))
+        packed.set_submodule('lm_head', Bf16Head(bf16.lm_head.weight))
         with tempfile.TemporaryDirectory() as tmp:
             bf16.save_pretrained(tmp)
             hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16).to(device)

@@ -25,10 +25,10 @@ same column, and a padding mask keeps the pads out of attention.
 `llama_cpp_forward` runs a GGUF export through llama.cpp behind the same signature as a
 model's forward (token ids to logits), so that both are scored by the same code.
 """
-import functools
 import time
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from bitlinear import PackedBitLinear
@@ -181,7 +181,7 @@ class GraphDecoder:
             y = y.transpose(1, 2).reshape(B, 1, -1)
             x = x + attention.o_proj(attention.attn_sub_norm(y))
             x = x + block.mlp(block.post_attention_layernorm(x))
-        return (model.head8 or model.lm_head)(model.norm(x))
+        return model.lm_head(model.norm(x))
 
     def step(self):
         logits = self.forward()
@@ -328,40 +328,85 @@ def complete(model, enc, prompts, n, temperature=0.0, top_k=None):
     return texts
 
 
-def fused_call(w, gamma, rows):
-    """One kernel call for a group of matrices packed as one;
-    the outputs split per matrix."""
-    return lambda x: ternary_linear(x, w, gamma).split(rows, -1)
+class FusedLinear(nn.Module):
+    """Packed matrices that read one input as one matrix, each row keeping its gamma:
+    one activation quantization and one kernel call; the outputs split per matrix. Its
+    bytes are the packed layers' own (fuse): not in a state dict."""
+
+    def __init__(self, packed, gammas, rows):
+        super().__init__()
+        self.register_buffer('packed', packed, persistent=False)
+        self.register_buffer('gammas', gammas, persistent=False)
+        self.rows = rows
+
+    def forward(self, x):
+        return ternary_linear(x, self.packed, self.gammas).split(self.rows, -1)
+
+
+class FusedAttention(Attention):
+    """Attention whose q, k and v come from one FusedLinear, `qkv` (fuse)."""
+
+    def projections(self, x):
+        return self.qkv(x)
+
+
+class FusedMLP(MLP):
+    """A gated MLP whose gate and up projections come from one FusedLinear, `gate_up`."""
+
+    def gate_and_up(self, x):
+        return self.gate_up(x)
+
+
+class Int8Head(nn.Linear):
+    """The fp head read as int8 rows (kernels.pack_int8: 4x fewer bytes than fp32; its
+    held-out cost in docs/llama_cpp.md), a copy beside `weight`, which stays (tied to
+    the embedding, and in the state dict)."""
+
+    def forward(self, x):
+        return ternary_linear(x, self.int8_weight, self.int8_weight_scale)
+
+
+def fused_group(parts):
+    """One FusedLinear of plain packed layers (no bias, correction or input norm; LoRA
+    leaves its wrapped layers apart), or None; the layers' weights become views of its
+    matrix, the same bytes."""
+    plain = [type(p) is PackedBitLinear and p.bias is None and p.lrc_u is None
+             and p.rms_norm is None for p in parts]
+    if not all(plain):
+        return None
+    w = torch.cat([p.weight for p in parts])
+    rows = [p.out_features for p in parts]
+    # one gamma per row (or per row and block) for the fused matrix
+    gammas = torch.cat([p.weight_scale.expand(n, *p.weight_scale.shape[1:])
+                        for p, n in zip(parts, rows)])
+    for p, view in zip(parts, w.split(rows)):
+        p.register_buffer('weight', view)  # the same bytes, now inside w
+    return FusedLinear(w, gammas, rows)
 
 
 @torch.no_grad()
 def fuse(model):
     """Faster decode, after freeze(), for inference only. Each group of packed matrices
-    that reads one input (q/k/v, gate/up) becomes one matrix with a gamma per row; the
-    head gets int8 rows. Checkpoints do not change: fused matrices are views of the same
-    bytes, the int8 head a copy. Layers wrapped by LoRA adapters are left as they are."""
-    groups = []
-    for block in model.layers:
-        groups.append((block.self_attn, ('q_proj', 'k_proj', 'v_proj')))
-    for mlp in model.layers.modules():  # each block's, or each expert's
-        if isinstance(mlp, MLP):
-            groups.append((mlp, ('gate_proj', 'up_proj')))
-    for module, names in groups:
-        parts = [getattr(module, n) for n in names]
-        plain = [type(p) is PackedBitLinear and p.bias is None and p.lrc_u is None
-                 and p.rms_norm is None for p in parts]
-        if not all(plain):
-            continue
-        w = torch.cat([p.weight for p in parts])
-        rows = [p.out_features for p in parts]
-        # one gamma per row (or per row and block) for the fused matrix
-        gamma = torch.cat([p.weight_scale.expand(n, *p.weight_scale.shape[1:])
-                           for p, n in zip(parts, rows)])
-        module.use_fused(fused_call(w, gamma, rows))
-        for p, view in zip(parts, w.split(rows)):
-            p.register_buffer('weight', view)  # the same bytes, now inside w
-    w8, scale = pack_int8(model.lm_head.weight)
-    model.use_head(functools.partial(ternary_linear, w=w8, gamma=scale))
+    that reads one input (q/k/v, gate/up) becomes one matrix with a gamma per row: each
+    Attention a FusedAttention, each MLP a FusedMLP (the same modules and weights, their
+    class swapped); the head an Int8Head. Checkpoints do not change: fused matrices are
+    views of the same bytes, the int8 head a copy."""
+    for module in list(model.layers.modules()):  # each block's MLP, or each expert's
+        if isinstance(module, Attention):
+            fused = fused_group([module.q_proj, module.k_proj, module.v_proj])
+            if fused:
+                module.add_module('qkv', fused)
+                module.__class__ = FusedAttention
+        elif isinstance(module, MLP):
+            fused = fused_group([module.gate_proj, module.up_proj])
+            if fused:
+                module.add_module('gate_up', fused)
+                module.__class__ = FusedMLP
+    head = model.lm_head
+    w8, scale = pack_int8(head.weight)
+    head.register_buffer('int8_weight', w8, persistent=False)
+    head.register_buffer('int8_weight_scale', scale, persistent=False)
+    head.__class__ = Int8Head
     return model
 
 
@@ -372,8 +417,6 @@ def weight_bytes(model):
     for name, b in model.named_buffers():
         if name.endswith(('weight', 'weight_scale')):
             weights[name] = b
-    if model.head8:
-        weights |= model.head8.keywords
     return sum(t.nbytes for t in weights.values())
 
 
@@ -381,19 +424,10 @@ def profile_token(model, x, new):
     """Where a decode token's time goes: ms per token in the LM head, the packed projections
     (kernels.py), attention (each Attention's call but its projections: q/k norms, RoPE,
     the cache and SDPA) and the rest (the norms, the MLPs' activations, residuals, Python),
-    timing each call during one greedy generate of `new` tokens from x. The calls are timed
-    through the model's own hooks (forward hooks, use_fused, use_head), all put back
-    afterwards."""
+    timing each call during one greedy generate of `new` tokens from x, through forward
+    hooks, all removed afterwards."""
     ms = dict.fromkeys(('head', 'projections', 'attention'), 0.0)
     started = {}
-
-    def timed(part, fn):
-        def run(*args, **kw):
-            t0 = time.perf_counter()
-            y = fn(*args, **kw)
-            ms[part] += (time.perf_counter() - t0) * 1e3
-            return y
-        return run
 
     def before(module, args):
         started[module] = time.perf_counter()
@@ -411,7 +445,8 @@ def profile_token(model, x, new):
         spent = (time.perf_counter() - t0) * 1e3
         ms['attention'] += spent - (ms['projections'] - projections)
     hooks = []
-    layers = [(m, 'projections') for m in model.modules() if isinstance(m, PackedBitLinear)]
+    projections = (PackedBitLinear, FusedLinear)
+    layers = [(m, 'projections') for m in model.modules() if isinstance(m, projections)]
     for module, part in layers + [(model.lm_head, 'head')]:
         hooks += [module.register_forward_pre_hook(before),
                   module.register_forward_hook(after(part))]
@@ -419,13 +454,6 @@ def profile_token(model, x, new):
         if isinstance(module, Attention):
             hooks += [module.register_forward_pre_hook(attention_before),
                       module.register_forward_hook(attention_after)]
-    blocks = [m for m in model.modules() if isinstance(m, (Attention, MLP))]
-    fused = [(m, m.fused) for m in blocks if m.fused]
-    head8 = model.head8
-    for module, fn in fused:
-        module.use_fused(timed('projections', fn))
-    if head8:
-        model.use_head(timed('head', head8))
     try:
         t0 = time.perf_counter()
         generate(model, x, new, temperature=0)
@@ -433,8 +461,5 @@ def profile_token(model, x, new):
     finally:
         for hook in hooks:
             hook.remove()
-        for module, fn in fused:
-            module.use_fused(fn)
-        model.use_head(head8)
     parts = {k: v / new for k, v in ms.items()}
     return parts | {'rest': (total - sum(ms.values())) / new, 'total': total / new}

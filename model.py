@@ -10,9 +10,9 @@ ternary linears) BitNet b1.58 2B4T:
         x = x + down_proj(sub_norm(act(gate_proj(h)) * up_proj(h)))  h = norm(x)
     logits = lm_head(norm(x))
 
-- RMSNorm instead of LayerNorm, rotary position embeddings (RoPE, Su et al. 2021),
-  grouped-query attention (GQA, Ainslie et al. 2023) through PyTorch's fused SDPA kernel,
-  and a gated MLP with SiLU (Llama) or ReLU^2 (BitNet b1.58 2B4T).
+- RMSNorm instead of LayerNorm, rotary position embeddings (RoPE, Su et al. 2021:
+  `apply_rope`, `rope_frequencies`), grouped-query attention (GQA, Ainslie et al. 2023)
+  through PyTorch's SDPA kernel, and a gated MLP with SiLU (Llama) or ReLU^2.
 - SubLN: the two `*_sub_norm` RMSNorms are Identity in a plain Llama. BitNet inserts them
   before the output projections so that the activations entering the ternary o_proj and
   down_proj are well scaled (Wang et al. 2023; see bitlinear.py).
@@ -134,21 +134,16 @@ class Attention(nn.Module):
             self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
         else:
             self.q_norm = self.k_norm = nn.Identity()
-        self.fused = None  # q/k/v in one call (use_fused)
 
-    def use_fused(self, fused):
-        """q/k/v from one call of fused(x) (engine.fuse); None: three calls again."""
-        self.fused = fused
+    def projections(self, x):
+        """q (B, T, nh*hs), k and v (B, T, nkv*hs) of x (B, T, C)."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def heads(self, x, cos, sin, qkv=None):
         """The queries (B, nh, T, hs), keys and values (B, nkv, T, hs) of x (B, T, C),
         RoPE applied to the queries and keys."""
         B, T, _ = x.shape
-        # (B, T, nh*hs), (B, T, nkv*hs) x2; in one call once fused (engine.fuse)
-        if self.fused:
-            q, k, v = self.fused(x)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.projections(x)
         # hand the projections' outputs to attention-relation distillation
         if qkv is not None:
             qkv += [q, k, v]
@@ -185,14 +180,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(H, C, bias=False)
         self.ffn_sub_norm = SubLN(H, eps=cfg.norm_eps) if cfg.subln else nn.Identity()
         self.act = F.silu if cfg.act == 'silu' else lambda g: F.relu(g).square()
-        self.fused = None  # gate/up in one call (use_fused)
 
-    def use_fused(self, fused):
-        """gate/up from one call of fused(x) (engine.fuse); None: two calls again."""
-        self.fused = fused
+    def gate_and_up(self, x):
+        """The two projections of x the gate multiplies: gate_proj(x) and up_proj(x)."""
+        return self.gate_proj(x), self.up_proj(x)
 
     def forward(self, x):
-        g, u = self.fused(x) if self.fused else (self.gate_proj(x), self.up_proj(x))
+        g, u = self.gate_and_up(x)
         return self.down_proj(self.ffn_sub_norm(self.act(g) * u))
 
 
@@ -297,7 +291,6 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.grad_ckpt = False  # activation checkpointing (checkpoint_activations)
-        self.head8 = None  # the int8 head of engine.fuse (use_head)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.layers = nn.ModuleList(new_block(cfg) for _ in range(cfg.n_layer))
         self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
@@ -392,36 +385,32 @@ class Transformer(nn.Module):
             raise ValueError("bidirectional attention (causal=False) with a sliding "
                              "window is not supported")
         mask = attention_mask(valid, pos, T, self.config.sliding_window, idx.device)
-        for i, block in enumerate(self.layers):
-            if 'inputs' in feats:
+        caches = [None] * len(self.layers) if cache is None else cache
+        for i, (block, layer_cache) in enumerate(zip(self.layers, caches)):
+            if 'inputs' in feats:  # teacher forcing: the teacher's input to this block
                 x = feats['inputs'][i]
             qkv = feats['qkv'] if i == feats.get('qkv_layer') else None
-            layer_cache = None if cache is None else cache[i]
-            # a new list per block: FSDP rebuilds any argument that holds tensors
-            router = [] if 'router' in feats else None
-            args = (x, cos, sin, layer_cache, pos, causal, qkv, mask, router)
-            if self.grad_ckpt and self.training:
-                # keep block inputs; backward recomputes the rest
-                x = torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)
-            else:
-                x = block(*args)
+            router = [] if 'router' in feats else None  # a new list: FSDP rebuilds arguments
+            x = self.run_block(block, x, cos, sin, layer_cache, pos, causal, qkv, mask, router)
             if 'hidden' in feats:
                 feats['hidden'].append(x)
             if router:
                 feats['router'] += router
         x = x if keep is None else x[keep]  # (N, C): only where a loss reads the logits
-        return (self.head8 or self.lm_head)(self.norm(x))
+        return self.lm_head(self.norm(x))
+
+    def run_block(self, block, *args):
+        """block(*args); in training with checkpoint_activations, keeping only its
+        inputs (backward recomputes the rest)."""
+        if self.grad_ckpt and self.training:
+            return torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)
+        return block(*args)
 
     def checkpoint_activations(self, on=True):
         """Keep only each block's input in training; backward recomputes the rest (less
         memory, about a third more compute)."""
         self.grad_ckpt = on
         return self
-
-    def use_head(self, head):
-        """The logits from head(x) instead of lm_head (engine.fuse's int8 head); None:
-        lm_head again."""
-        self.head8 = head
 
     def flops_per_token(self, T):
         # 6 flops per parameter a token uses (forward + backward), plus attention's QK^T

@@ -49,7 +49,9 @@ def test_fuse_changes_only_the_head_and_saves_the_same_checkpoint(tmp_path, scal
         fuse(model)
         got = {'hidden': []}
         logits = model(idx, feats=got)
-    assert all(m.fused is not None for b in model.layers for m in (b.self_attn, b.mlp))
+    from engine import FusedAttention, FusedMLP, Int8Head
+    assert all(type(b.self_attn) is FusedAttention and type(b.mlp) is FusedMLP for b in model.layers)
+    assert type(model.lm_head) is Int8Head and model.lm_head.weight is model.embed_tokens.weight
     assert all(torch.equal(a, b) for a, b in zip(ref['hidden'], got['hidden']))
     h = model.norm(got['hidden'][-1]).reshape(-1, width)
     W = model.lm_head.weight
@@ -114,23 +116,21 @@ def test_graph_decoder_continues_as_generate(kind, device):
 
 def test_profile_token_times_every_part_and_puts_everything_back():
     """Packed and fused: every part timed, the parts adding up to the token, and the model
-    left as it was (no hook, the same fused calls and head) and decoding alike."""
+    left as it was (no hook, the same modules) and decoding alike."""
     from engine import profile_token
-    from model import MLP, Attention
     torch.manual_seed(0)
     packed = Transformer(ModelConfig(vocab_size=300, n_layer=2, n_embd=64, n_head=4,
                                      n_kv_head=2, intermediate_size=96,
                                      bitnet=True)).eval().freeze()
     idx = tokens(300, B=1, T=5)
     for model in (packed, fuse(copy.deepcopy(packed))):
-        blocks = [m for m in model.modules() if isinstance(m, (Attention, MLP))]
-        fused, head8 = [m.fused for m in blocks], model.head8
+        kinds = [(name, type(m)) for name, m in model.named_modules()]
         want = generate(model, idx, 4, temperature=0)
         parts = profile_token(model, idx, 4)
         assert set(parts) == {'head', 'projections', 'attention', 'rest', 'total'}
         assert all(parts[k] > 0 for k in ('head', 'projections', 'attention', 'total'))
         assert abs(sum(v for k, v in parts.items() if k != 'total') - parts['total']) < 1e-9
-        assert [m.fused for m in blocks] == fused and model.head8 is head8
+        assert [(name, type(m)) for name, m in model.named_modules()] == kinds
         assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
         assert torch.equal(generate(model, idx, 4, temperature=0), want)
 

@@ -251,7 +251,8 @@ def test_ternary_moe_round_trips_packs_and_samples_with_a_cache(tmp_path):
         again(x, feats=ref)
         fused = fuse(again)  # every expert's gate/up in one call: the same block outputs
         fused(x, feats=got)
-        assert all(m.fused for m in fused.layers.modules() if isinstance(m, MLP))
+        from engine import FusedMLP
+        assert all(type(m) is FusedMLP for m in fused.layers.modules() if isinstance(m, MLP))
         assert all((a - b).abs().max() < 1e-6 for a, b in zip(ref['hidden'], got['hidden']))
         cached = generate(fused, x[:, :4], 8, temperature=0)
         step = x[:, :4]
