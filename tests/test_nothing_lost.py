@@ -472,9 +472,9 @@ def test_a_micro_batch_larger_than_the_machine_is_one_line_before_it_is_made(tmp
 
 
 def test_a_run_writes_into_no_checkpoint_model_or_other_output(tmp_path):
-    """train.py's out_dir and dataset inside a checkpoint, or out_dir a model's folder; export.py's
-    --merge onto a model, a run folder or a file, its --gguf onto a folder: each refused in one line
-    before any work, nothing there changed. A `.tmp_ckpt_*` link in the run's folder (where a save
+    """train.py's out_dir (a LoRA's too, inside its base) and dataset inside a checkpoint, or out_dir a
+    model's folder; export.py's --merge onto a model, a run folder or a file, its --gguf onto a
+    folder: each refused in one line before any work, nothing there changed. A `.tmp_ckpt_*` link in the run's folder (where a save
     is written first) is removed, and the save lands in the run's folder, not the link's target."""
     run_dir, hf, elsewhere = tmp_path / 'run', tmp_path / 'hf', tmp_path / 'elsewhere'
     assert run('train.py', *TINY, '--max_steps=2', f'--out_dir={run_dir}').returncode == 0
@@ -492,6 +492,8 @@ def test_a_run_writes_into_no_checkpoint_model_or_other_output(tmp_path):
             ('train.py', [*TINY, '--max_steps=1', f'--out_dir={tmp_path / "new"}', f'--dataset={ckpt / "data"}',
                           f"--prepare.files={{'train': '{text}'}}"], 'inside the checkpoint'),
             ('train.py', [*TINY, '--max_steps=1', f'--out_dir={hf}'], "is a model's folder"),
+            ('train.py', [*TINY, '--max_steps=1', f'--init_from={ckpt}', '--lora.rank=2',
+                          f'--out_dir={ckpt / "lora"}'], 'inside the checkpoint'),  # adapters in their base
             ('export.py', [f'--ckpt={run_dir}', f'--merge={hf}'], 'is already there'),
             ('export.py', [f'--ckpt={run_dir}', f'--merge={run_dir}'], 'is already there'),
             ('export.py', [f'--ckpt={run_dir}', f'--merge={text}'], 'is already there'),
