@@ -8,8 +8,9 @@ Write a checkpoint in another form:
 `ckpt` is a run's folder, a checkpoint, a Hugging Face Llama/BitNet directory or
 a hub id, opened as every script opens one (checkpoint.load). --gguf=FILE writes
 a GGUF file that llama.cpp runs (gguf_export.py), with the tokenizer and its chat
-template: ternary matrices in TQ2_0 (or --ternary), the embedding, the head and an
-fp model's matrices in --dtype.
+template: ternary matrices in TQ2_0 (or --ternary; rows not a multiple of 256 long in
+Q4_0), an fp model's matrices in --dtype; the embedding (the head) of a ternary model
+in Q8_0, of an fp one in --dtype (or --embedding).
 
 A LoRA checkpoint (PEFT's files) is loaded onto the base its adapter_config.json
 names. On an fp base --merge=DIR folds the adapters into the weights and writes
@@ -32,14 +33,16 @@ from tokenizer import chat_template_text, get_tokenizer
 ckpt = 'out'
 gguf = ''              # write the checkpoint here as a GGUF file for llama.cpp
 ternary = 'tq2_0'      # GGUF type of the ternary matrices: or 'tq1_0' (smaller, slower),
-                       # 'q8_0', 'f16'
-dtype = 'float32'      # of the embedding (and head), and an fp model's matrices:
-                       # 'float32', 'float16', or 'q8_0' (matrices; embedding float32)
+                       # 'q4_0', 'q8_0', 'f16'
+dtype = 'float32'      # of an fp model's matrices (and embedding): 'float32', 'float16',
+                       # or 'q8_0' (matrices; embedding float32)
+embedding = 'auto'     # the embedding and head: 'q8_0', or 'dtype' (as --dtype); 'auto':
+                       # q8_0 for a ternary model (docs/llama_cpp.md), dtype for an fp one
 merge = ''             # LoRA on an fp base: write the merged model to this directory
 tokenizer = ''         # '' is the checkpoint's own, or the one it was trained with
 settings = {k: v for k, v in globals().items() if isinstance(v, str) and k[0] != '_'}
-ranges = {'ternary': ('tq2_0', 'tq1_0', 'q8_0', 'f16'),
-          'dtype': ('float32', 'float16', 'q8_0')}
+ranges = {'ternary': ('tq2_0', 'tq1_0', 'q4_0', 'q8_0', 'f16'),
+          'dtype': ('float32', 'float16', 'q8_0'), 'embedding': ('auto', 'q8_0', 'dtype')}
 config = configure(settings, sys.argv[1:], ranges)
 globals().update(config)
 if bool(gguf) == bool(merge):
@@ -84,8 +87,10 @@ template = chat_template_text(ckpt)
 if template is not None:
     vocab['tokenizer.chat_template'] = template
 weights = base_state(model)  # a ternary base's adapters go to a file of their own
+eight_bit = embedding == 'q8_0' or (embedding == 'auto' and model.config.bitnet)
 try:
-    save_gguf(gguf, weights, model.config, vocab, ternary, getattr(torch, dtype, dtype))
+    save_gguf(gguf, weights, model.config, vocab, ternary, getattr(torch, dtype, dtype),
+              'q8_0' if eight_bit else None)
 except (OSError, ValueError) as e:
     sys.exit(f"error: cannot export {ckpt!r} to GGUF: {e}")
 print(f"wrote {gguf}: {os.path.getsize(gguf) / 2**20:.1f} MiB")

@@ -11,10 +11,12 @@ Mistral, `qwen2`, `qwen3`).
 
 Ternary matrices are stored exactly. GGUF stores a matrix row by row in blocks
 (ggml-quants.c in llama.cpp; TQ1_0 and TQ2_0 by compilade, 2024): TQ2_0 and TQ1_0 hold
-256 ternary codes and one fp16 scale d each, so d = gamma makes them exact; Q8_0 holds
-32 int8 codes and d, exact for codes in {-1, 0, 1} too, the fallback for rows whose
-length is not a multiple of 256; F16 (no blocks) for rows not a multiple of 32, where
-+-gamma in fp16 is exact as well.
+256 ternary codes and one fp16 scale d each, so d = gamma makes them exact; Q4_0 holds
+32 4-bit codes q and d, read as (q - 8) * d, exact for q = W_q + 8 (4.5 bits a weight),
+the fallback for rows whose length is not a multiple of 256 (SmolLM2's 576); Q8_0 (32
+int8 codes and d) is exact too, at 8.5 bits; F16 (no blocks) for rows not a multiple of
+32, where +-gamma in fp16 is exact as well. The embedding (the tied head) may go in Q8_0,
+as llama.cpp quantizes it: the one rounded tensor, its cost in docs/llama_cpp.md.
 
 The tokenizer goes in as llama.cpp's 'gpt2' BPE keys (`gguf_vocab`), and LoRA adapters
 on a ternary base as llama.cpp's separate adapter file (`save_lora_gguf`). This file
@@ -75,6 +77,14 @@ def pack_tq1_0(w_q, gamma):
     return with_d(torch.cat([first, second, high], -1), gamma)
 
 
+def pack_q4_0(w_q, gamma):
+    """(N, K) codes, K % 32 == 0 -> Q4_0 rows: per 32 codes, d first, then 16 bytes, byte j
+    holding code j in its low 4 bits and code j + 16 in its high ones, each as q + 8."""
+    N, K = w_q.shape
+    c = (w_q.to(torch.int8) + 8).to(torch.uint8).view(N, K // 32, 2, 16)
+    return with_d(c[:, :, 0] | c[:, :, 1] << 4, gamma, d_first=True)
+
+
 def pack_q8_0(w_q, gamma):
     """(N, K) codes, K % 32 == 0 -> Q8_0 rows: per 32 codes, d first, then 32 int8."""
     N, K = w_q.shape
@@ -100,10 +110,10 @@ def quantize_q8_0(w):
 # packer, ggml type, the multiple a row's length must be;
 # all exact (F16 fits any row, at 16 bits)
 TERNARY = {'tq2_0': (pack_tq2_0, 35, 256), 'tq1_0': (pack_tq1_0, 34, 256),
-           'q8_0': (pack_q8_0, 8, 32), 'f16': (pack_f16, 1, 1)}
+           'q4_0': (pack_q4_0, 2, 32), 'q8_0': (pack_q8_0, 8, 32), 'f16': (pack_f16, 1, 1)}
 # LLAMA_FTYPE_* of the whole file
 FILE_TYPE = {torch.float32: 0, torch.float16: 1,
-             'f16': 1, 'q8_0': 7, 'tq1_0': 36, 'tq2_0': 37}
+             'f16': 1, 'q4_0': 2, 'q8_0': 7, 'tq1_0': 36, 'tq2_0': 37}
 # the llama.cpp architecture of each family's fp model
 ARCH = {'llama': 'llama', 'mistral': 'llama', 'qwen2': 'qwen2', 'qwen3': 'qwen3'}
 # our (Hugging Face) module names -> llama.cpp's tensor names
@@ -171,15 +181,16 @@ def unsupported(cfg):
 
 
 @torch.no_grad()
-def save_gguf(path, state_dict, cfg, vocab, ternary='tq2_0', dtype=torch.float32):
+def save_gguf(path, state_dict, cfg, vocab, ternary='tq2_0', dtype=torch.float32,
+              embedding=None):
     """Write a model (its state dict and config, model.ModelConfig's fields) as GGUF: a
     ternary model in llama.cpp's `bitnet` architecture (the two sub-norms, the head tied
     to the embedding), each ternary matrix exactly, W_q with d = gamma in fp16, as
-    `ternary` (TQ2_0 or TQ1_0; Q8_0 or F16 for rows whose length is not a multiple of
-    256), or all Q8_0 or F16; an fp model in its family's architecture (ARCH). The
-    embedding (and an untied head) in `dtype` (fp32 or fp16), norms in fp32; an fp
-    model's matrices in `dtype` too, or in Q8_0 (dtype 'q8_0'; the embedding then in
-    fp32). Latent weights are quantized here, packed ones (uint8, transformers' offline
+    `ternary` (TQ2_0 or TQ1_0; Q4_0, else F16, for rows whose length is not a multiple
+    of 256), or all Q4_0, Q8_0 or F16; an fp model in its family's architecture (ARCH).
+    The embedding (and an untied head) in `dtype` (fp32 or fp16) or in `embedding`
+    ('q8_0'), norms in fp32; an fp model's matrices in `dtype` too, or in Q8_0 (dtype
+    'q8_0'; the embedding then in fp32 unless `embedding` says). Latent weights are quantized here, packed ones (uint8, transformers' offline
     layout) unpacked. llama.cpp's `llama` has no sliding window: a Mistral's context is
     cut to its window, within which the two agree. `vocab`: gguf_vocab's keys."""
     arch = 'bitnet' if cfg.bitnet else ARCH[cfg.family]
@@ -187,9 +198,11 @@ def save_gguf(path, state_dict, cfg, vocab, ternary='tq2_0', dtype=torch.float32
     if lacks:
         raise ValueError(f"no GGUF export: llama.cpp's {arch} model "
                          f"has no {', '.join(lacks)}")
-    if ternary not in TERNARY or dtype not in (torch.float32, torch.float16, 'q8_0'):
-        raise ValueError(f"ternary type {ternary!r} or dtype {dtype} unknown; use "
-                         f"{'/'.join(TERNARY)} and torch.float32/float16 or 'q8_0'")
+    if ternary not in TERNARY or dtype not in (torch.float32, torch.float16, 'q8_0') \
+            or embedding not in (None, 'q8_0'):
+        raise ValueError(f"ternary type {ternary!r}, dtype {dtype} or embedding {embedding!r} "
+                         f"unknown; use {'/'.join(TERNARY)}, torch.float32/float16 or 'q8_0', "
+                         f"and None or 'q8_0'")
     hs = cfg.head_dim
     rows = dict(q_proj=cfg.n_head * hs, k_proj=cfg.n_kv_head * hs,
                 v_proj=cfg.n_kv_head * hs, o_proj=cfg.n_embd,
@@ -215,7 +228,7 @@ def save_gguf(path, state_dict, cfg, vocab, ternary='tq2_0', dtype=torch.float32
                 gamma = gamma.reshape(-1, 1)  # (1, 1), or (N, 1) per row
             # the asked type if the row length fits its blocks,
             # else the next one that does
-            fits = [TERNARY[t] for t in (ternary, 'q8_0', 'f16')]
+            fits = [TERNARY[t] for t in (ternary, 'q4_0', 'f16')]
             pack, kind, _ = next(f for f in fits if w_q.shape[1] % f[2] == 0)
             tensors.append((name, kind, w_q.shape, pack(w_q, gamma).numpy().tobytes()))
             continue
@@ -224,7 +237,9 @@ def save_gguf(path, state_dict, cfg, vocab, ternary='tq2_0', dtype=torch.float32
             # the two halves of a head (x0, x_{d/2}): reorder each head's rows to match
             heads = cfg.n_head if module == 'q_proj' else cfg.n_kv_head
             v = v.reshape(heads, 2, -1, *v.shape[1:]).transpose(1, 2).reshape(v.shape)
-        if dtype == 'q8_0' and k.endswith('proj.weight') and v.shape[1] % 32 == 0:
+        matrix = k.endswith('proj.weight') and dtype == 'q8_0'
+        table = module in ('embed_tokens', 'lm_head') and embedding == 'q8_0'
+        if (matrix or table) and v.shape[1] % 32 == 0:
             tensors.append((name, 8, v.shape, quantize_q8_0(v).numpy().tobytes()))
             continue
         half = v.dim() == 2 and dtype == torch.float16
