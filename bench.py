@@ -12,6 +12,8 @@ bench.py moe      # a mixture-of-experts training step against top_k and n_exper
 bench.py curve    # 200 training steps, int8 path vs fake-quant reference (minutes)
 bench.py distill  # SmolLM2-135M-Instruct made ternary by train.py, per recipe (~1.5 h)
 bench.py upload   # a training step while checkpoints upload to a throttled S3 server
+bench.py gguf --ckpt=DIR  # a ternary task model's GGUF exports: size, llama.cpp's answers,
+                          # top-1 and bits per byte against ours; llama.cpp's own Q4_0
 
 Weights cycle over enough matrices to overflow the last-level cache, as decoding reads every
 weight from memory once a token ("hot": one matrix, in cache). Best of rounds."""
@@ -42,11 +44,12 @@ import kernels
 from bitlinear import BitLinear
 from configurator import configure, words
 from data import get_batch, offline_corpus
-from engine import GraphDecoder, fuse, generate, profile_token, weight_bytes
+from engine import GraphDecoder, fuse, generate, llama_cpp_forward, profile_token, weight_bytes
 from eval import heldout
 from gguf_export import gguf_vocab, save_gguf
 from model import ModelConfig, Transformer
 from objectives import IGNORE, ObjectiveManager
+from rl import Rollouts
 from teachers import LocalTeacher
 from tokenizer import get_tokenizer
 
@@ -831,17 +834,71 @@ def bench_upload(steps=100, rate=1 << 20):
           f"{rate / 2**20:.1f} MiB/s: {medians[1] * 1e3:.1f} ms (x{medians[1] / medians[0]:.3f})")
 
 
+@torch.no_grad()
+def bench_gguf(ckpt, split='test', windows=8, T=256):
+    """A ternary task model (rl.py's arithmetic: config/arith_student.py's) exported to GGUF in
+    each form export.py writes, and as llama.cpp's own Q4_0 of the same weights (quantized by
+    llama.cpp from the exact F16 export, its usual path for a model): file size; llama.cpp's
+    greedy answers on the task's `split` against ours (identical completions, accuracy); top-1
+    agreement of its logits with our packed model's and bits per byte, on `windows` windows of
+    T held-out tokens of the offline corpus. Ours runs packed."""
+    import llama_cpp
+    from gguf_export import FILE_TYPE
+    ckpt, model, tok = checkpoint.load(ckpt, 'cpu', True)
+    model.eval()
+    enc = get_tokenizer(tok)
+    scorer = Rollouts('arithmetic', f'arithmetic_{split}', enc, model.config.max_seq_len,
+                      max_new_tokens=48, rewards=['correct_answer'])
+    ours = scorer.heldout_texts(model)
+    text = offline_corpus(enc)[1][:windows * T + 1]
+    want = heldout(model, text, enc, T)
+    variants = {'TQ2_0 + Q4_0, Q8_0 embedding (default)': dict(ternary='tq2_0', embedding='q8_0'),
+                'TQ1_0 + Q4_0, Q8_0 embedding': dict(ternary='tq1_0', embedding='q8_0'),
+                'TQ2_0 + Q4_0, F32 embedding': dict(ternary='tq2_0'),
+                'Q8_0, F32 embedding': dict(ternary='q8_0'),
+                "llama.cpp's Q4_0 of the F16 export": None}
+    print(f"\n{ckpt}: {split} answers of {len(ours)} problems, ours {scorer.mean_scores(ours)}; "
+          f"held-out {windows} x {T} tokens, ours {want['bpb']:.4f} bits per byte")
+    print(f"{'export':>42} {'MiB':>6} {'same answers':>12} {'accuracy':>8} {'top-1':>6} {'bpb':>7}")
+    vocab = gguf_vocab(enc, model.config.vocab_size)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_gguf(f'{tmp}/f16.gguf', model.state_dict(), model.config, vocab, 'f16', torch.float16)
+        for name, kw in variants.items():
+            path = f'{tmp}/{len(os.listdir(tmp))}.gguf'
+            if kw is None:
+                params = llama_cpp.llama_model_quantize_default_params()
+                params.ftype, params.nthread = FILE_TYPE['q4_0'], 2
+                llama_cpp.llama_model_quantize(f'{tmp}/f16.gguf'.encode(), path.encode(), params)
+            else:
+                save_gguf(path, model.state_dict(), model.config, vocab, **kw)
+            theirs = scorer.gguf_texts(path)
+            same = sum(a == b for a, b in zip(ours, theirs))
+            forward, _ = llama_cpp_forward(path, T)
+            top1 = []
+            for i in range(windows):
+                x = torch.from_numpy(text[i * T:(i + 1) * T].astype('int64'))[None]
+                top1.append((forward(x)[0].argmax(-1) == model(x)[0].argmax(-1)).float().mean())
+            got = heldout(forward, text, enc, T)
+            accuracy = scorer.mean_scores(theirs)['heldout_correct_answer']
+            print(f"{name:>42} {os.path.getsize(path) / 2**20:6.1f} {same:>8}/{len(ours):<3} "
+                  f"{accuracy:8.3f} {torch.stack(top1).mean():6.3f} {got['bpb']:7.4f}")
+
+
 if __name__ == '__main__':
     sections = dict(kernels=bench_matmul,
                     decode=bench_decode_cuda if device == 'cuda' else bench_decode,
                     train=bench_train, train_against=bench_train_against,
                     convert=bench_convert, head=bench_head,
                     kernels_per_layer=bench_kernels_per_layer, moe=bench_moe,
-                    curve=bench_curve, distill=bench_distill, upload=bench_upload)
+                    curve=bench_curve, distill=bench_distill, upload=bench_upload,
+                    gguf=bench_gguf)
     which, options = words(sys.argv[1:], allowed=sections)
-    against = configure({'against': 'HEAD~1'}, options)['against']  # train_against's commit
-    sections['train_against'] = functools.partial(bench_train_against, against)
-    which = which or [s for s in sections if s != 'train_against']  # that one: on demand
+    # train_against's commit; gguf's checkpoint
+    chosen = configure({'against': 'HEAD~1', 'ckpt': ''}, options)
+    sections['train_against'] = functools.partial(bench_train_against, chosen['against'])
+    sections['gguf'] = functools.partial(bench_gguf, chosen['ckpt'])
+    on_demand = ('train_against', 'gguf')
+    which = which or [s for s in sections if s not in on_demand]
     print(f"machine: {machine()}; last-level cache {cache_bytes() >> 20} MiB; "
           f"ternary path {kernels.best(device)!r}")
     for s in which:
