@@ -79,7 +79,9 @@ RENAMED = {'ckpt_interval': 'ckpt.interval', 'keep_last': 'ckpt.keep_last',
 FIXED = ('arch', 'bitnet', 'moe', 'lrc_rank', 'lora', 'tokenizer', 'optimizer', 'zero1',
          'linear_norm', 'weight_scale')
 # the settings with a range (a group: its keys' ranges), checked with the types before
-# any work starts
+# any work starts: those whose owner checks them only once the data and the model are set
+# up (ModelConfig: act, weight_scale; optim: optimizer, schedule; objectives: blend; rl:
+# grpo.group; data: prepare.format), or never
 ranges = {'eval_interval': 'positive', 'eval_iters': 'positive', 'log_interval': 'positive',
           'ckpt': {'interval': 'non-negative', 'keep_last': 'positive'},
           'early_stop': {'patience': 'non-negative', 'min_delta': 'non-negative'},
