@@ -190,9 +190,10 @@ def save_gguf(path, state_dict, cfg, vocab, ternary='tq2_0', dtype=torch.float32
     of 256), or all Q4_0, Q8_0 or F16; an fp model in its family's architecture (ARCH).
     The embedding (and an untied head) in `dtype` (fp32 or fp16) or in `embedding`
     ('q8_0'), norms in fp32; an fp model's matrices in `dtype` too, or in Q8_0 (dtype
-    'q8_0'; the embedding then in fp32 unless `embedding` says). Latent weights are quantized here, packed ones (uint8, transformers' offline
-    layout) unpacked. llama.cpp's `llama` has no sliding window: a Mistral's context is
-    cut to its window, within which the two agree. `vocab`: gguf_vocab's keys."""
+    'q8_0'; the embedding then in fp32 unless `embedding` says). Latent weights are
+    quantized here, packed ones (uint8, transformers' offline layout) unpacked.
+    llama.cpp's `llama` has no sliding window: a Mistral's context is cut to its window,
+    within which the two agree. `vocab`: gguf_vocab's keys."""
     arch = 'bitnet' if cfg.bitnet else ARCH[cfg.family]
     lacks = unsupported(cfg)
     if lacks:
