@@ -270,12 +270,14 @@ def test_export_from_the_command_line_carries_the_chat_template(tmp_path):
     ckpt = tmp_path / 'ckpt'
     Transformer(ModelConfig(vocab_size=320, n_layer=1, bitnet=True)).save_pretrained(str(ckpt))
     (ckpt / 'chat_template.jinja').write_text("{% for m in messages %}<|im_start|>{{ m['content'] }}{% endfor %}")
-    r = subprocess.run([sys.executable, 'export.py', f'--ckpt={ckpt}', f'--gguf={tmp_path / "m.gguf"}',
-                        '--dtype=float16'], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and 'wrote' in r.stdout, r.stderr
-    reader = gguf.GGUFReader(str(tmp_path / 'm.gguf'))
-    assert field(reader, 'tokenizer.chat_template').startswith('{% for m in messages %}')
-    assert {t.name: t.tensor_type for t in reader.tensors}['token_embd.weight'] == T.F16
+    for embedding, kind in (('auto', T.Q8_0), ('dtype', T.F16)):  # a ternary model's: Q8_0 unless asked
+        r = subprocess.run([sys.executable, 'export.py', f'--ckpt={ckpt}', f'--gguf={tmp_path / embedding}.gguf',
+                            '--dtype=float16', f'--embedding={embedding}'], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0 and 'wrote' in r.stdout, r.stderr
+        reader = gguf.GGUFReader(f'{tmp_path / embedding}.gguf')
+        assert field(reader, 'tokenizer.chat_template').startswith('{% for m in messages %}')
+        assert {t.name: t.tensor_type for t in reader.tensors}['token_embd.weight'] == kind
     r = subprocess.run([sys.executable, 'export.py', f'--ckpt={ckpt}', f'--gguf={tmp_path / "x.gguf"}',
                         '--ternary=tq3'], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and r.stderr.count('\n') == 1 and 'tq2_0' in r.stderr  # one line, the choices
