@@ -842,6 +842,9 @@ def bench_gguf(ckpt, split='test', windows=8, T=256):
     greedy answers on the task's `split` against ours (identical completions, accuracy); top-1
     agreement of its logits with our packed model's and bits per byte, on `windows` windows of
     T held-out tokens of the offline corpus. Ours runs packed."""
+    if not ckpt:
+        sys.exit("error: bench.py gguf needs --ckpt=DIR, a ternary model of rl.py's arithmetic "
+                 "task (python train.py config/arith_student.py writes one)")
     import llama_cpp
     from gguf_export import FILE_TYPE
     ckpt, model, tok = checkpoint.load(ckpt, 'cpu', True)
