@@ -12,7 +12,7 @@ bench.py moe      # a mixture-of-experts training step against top_k and n_exper
 bench.py curve    # 200 training steps, int8 path vs fake-quant reference (minutes)
 bench.py distill  # SmolLM2-135M-Instruct made ternary by train.py, per recipe (~1.5 h)
 bench.py upload   # a training step while checkpoints upload to a throttled S3 server
-bench.py gguf --ckpt=DIR  # a ternary task model's GGUF exports: size, llama.cpp's answers,
+bench.py gguf --ckpt=DIR  # a task model's GGUF exports: size, llama.cpp's answers,
                           # top-1 and bits per byte against ours; llama.cpp's own Q4_0
 
 Weights cycle over enough matrices to overflow the last-level cache, as decoding reads every
@@ -843,8 +843,8 @@ def bench_gguf(ckpt, split='test', windows=8, T=256):
     agreement of its logits with our packed model's and bits per byte, on `windows` windows of
     T held-out tokens of the offline corpus. Ours runs packed."""
     if not ckpt:
-        sys.exit("error: bench.py gguf needs --ckpt=DIR, a ternary model of rl.py's arithmetic "
-                 "task (python train.py config/arith_student.py writes one)")
+        sys.exit("error: bench.py gguf needs --ckpt=DIR, a ternary model of rl.py's "
+                 "arithmetic task (config/arith_student.py makes one)")
     import llama_cpp
     from gguf_export import FILE_TYPE
     ckpt, model, tok = checkpoint.load(ckpt, 'cpu', True)
