@@ -195,7 +195,8 @@ def llama_cpp_run(llm, idx, new):
 def bench_decode(prompt=128, new=32):
     """Prefill, greedy decode, batch 1, 2 threads: ours in fp32, packed, fused (fuse():
     q/k/v, gate/up, int8 head) and compiled; llama.cpp (a test-only extra) on our GGUF
-    exports and its requants; weight sizes. Then one token profiled, packed vs fused."""
+    exports and its requants; weight sizes. Then one token profiled: packed, fused stepped
+    eagerly, fused in one C++ call a step (kernels.decode_step)."""
     try:
         import llama_cpp
     except ImportError:
@@ -207,8 +208,10 @@ def bench_decode(prompt=128, new=32):
     for name, fp, tok in (('~0.8B Llama, random', Transformer(cfg), 'bytes'),
                           ('SmolLM2-135M-Instruct', checkpoint.load(src, packed=False)[1], src)):
         enc, packed = get_tokenizer(tok), deepcopy(fp.eval()).to_bitnet().freeze()
-        models = {'ours fp32': fp, 'ours packed': packed, 'ours fused': fuse(deepcopy(packed))}
-        compiled = torch.compile(deepcopy(models['ours fused']), dynamic=True)
+        fused = fuse(deepcopy(packed))
+        models = {'ours fp32': fp, 'ours packed': packed,
+                  'ours fused, eager': eager_steps(fused), 'ours fused': fused}
+        compiled = torch.compile(deepcopy(fused), dynamic=True)
         models['ours compiled'] = compiled
         long = torch.randint(enc.n_vocab, (1, prompt))
         one = torch.randint(enc.n_vocab, (1, 1))
@@ -245,12 +248,28 @@ def bench_decode(prompt=128, new=32):
         for k, mib in sizes.items():
             prefill, decode = 1e3 * prompt / t[k, 0], 1e3 * new / t[k, 1]  # tokens/s
             print(f"{k:>26} {mib:11.1f} {prefill:13.1f} {decode:12.1f}")
+        profiled = ('ours packed', 'ours fused, eager')
         parts = {k: min((profile_token(models[k], one, new) for _ in range(3)),
-                        key=lambda p: p['total']) for k in ('ours packed', 'ours fused')}
-        head = "".join(f"{p:>12}" for p in parts['ours fused'])
+                        key=lambda p: p['total']) for k in profiled}
+        head = "".join(f"{p:>12}" for p in parts['ours packed'])
         print(f"one decode token, ms (best of 3): {'':>4}" + head)
         for k, p in parts.items():
             print(f"{k:>36}" + "".join(f"{v:12.2f}" for v in p.values()))
+        # one C++ call a step: the hooks see none of it. Its head and projections are the
+        # eager row's kernels; attention and the rest, its total less those
+        eager = parts['ours fused, eager']
+        one_call = min(profile_token(fused, one, new)['total'] for _ in range(3))
+        rest = one_call - eager['head'] - eager['projections']
+        kernels_ms = f"{eager['head']:12.2f}{eager['projections']:12.2f}"
+        print(f"{'ours fused (one call)':>36}{kernels_ms}{'':>12}{rest:12.2f}{one_call:12.2f}")
+
+
+def eager_steps(fused):
+    """fuse's model stepped op by op, by Transformer's forward: the same modules and
+    numbers, each op a Python call (what kernels.decode_step does without)."""
+    eager = deepcopy(fused)
+    eager.__class__ = Transformer
+    return eager
 
 
 class Bf16Head(nn.Module):

@@ -32,8 +32,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bitlinear import PackedBitLinear
-from kernels import holding_weights, pack_int8, ternary_linear
-from model import Attention, MLP
+from kernels import best, cpp_extension, holding_weights, pack_int8, ternary_linear
+from model import MLP, Attention, Transformer
 
 
 def llama_cpp_model(path, max_len=2048):
@@ -366,6 +366,94 @@ class Int8Head(nn.Linear):
         return ternary_linear(x, self.int8_weight, self.int8_weight_scale)
 
 
+# up to this many rows a step runs as one call; at 50 rows (rl.py's held-out scoring) the
+# call's scalar loops (attention, SiLU) took 8% longer than the eager ops they replace
+ONE_CALL_ROWS = 8
+
+
+class FusedTransformer(Transformer):
+    """fuse's model where every block is plain (decodes_in_cpp): on the CPU, a step of one
+    new token per row (up to ONE_CALL_ROWS rows) with a cache is one C++ call,
+    kernels.decode_step: the norms, the fused projections, RoPE, the cache write,
+    attention, the MLP and the int8 head, in the forward's order (eagerly each is a Python
+    call and an ATen dispatch, about 75 a layer, which cost more than a small model's
+    matmuls). Everything else, and anything torch.compile traces, is Transformer's
+    forward."""
+
+    def forward(self, idx, cache=None, pos=0, causal=True, feats=None, valid=None, keep=None):
+        one_step = idx.shape[1] == 1 and cache is not None and feats is None and keep is None
+        one_step = one_step and idx.shape[0] <= ONE_CALL_ROWS
+        eager_cpu = idx.device.type == 'cpu' and not torch.compiler.is_compiling()
+        if not (one_step and eager_cpu and best('cpu') == 'cpp'):
+            return super().forward(idx, cache, pos, causal, feats, valid, keep)
+        cfg = self.config
+        if pos + 1 > cfg.max_seq_len:
+            raise ValueError(f"{pos + 1} tokens exceed max_seq_len={cfg.max_seq_len}")
+        shape = [cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.sliding_window,
+                 cfg.act == 'relu2', cpp_extension().simd()]
+        head = self.lm_head
+        logits = cpp_extension().decode_step(
+            idx.view(-1), self.embed_tokens.weight, self.step_tensors, cache,
+            NO_TENSOR if valid is None else valid, pos, self.cos, self.sin, self.norm.weight,
+            head.int8_weight, head.int8_weight_scale, shape, cfg.norm_eps)
+        return logits[:, None]  # (B, 1, vocab)
+
+    def _apply(self, fn, recurse=True):  # .to(), .float(): buffers become new tensors
+        super()._apply(fn, recurse)
+        self.step_tensors = step_tensors(self)
+        return self
+
+
+def step_tensors(model):
+    """decode_step's 12 tensors a layer, gathered once (through the modules' attributes
+    this takes longer than a small model's step)."""
+    tensors = []
+    for block in model.layers:
+        attention, mlp = block.self_attn, block.mlp
+        tensors += [block.input_layernorm.weight,
+                    attention.qkv.packed, attention.qkv.gammas,
+                    norm_weight(attention.attn_sub_norm),
+                    attention.o_proj.weight, attention.o_proj.weight_scale,
+                    block.post_attention_layernorm.weight,
+                    mlp.gate_up.packed, mlp.gate_up.gammas,
+                    norm_weight(mlp.ffn_sub_norm),
+                    mlp.down_proj.weight, mlp.down_proj.weight_scale]
+    return tensors
+
+
+NO_TENSOR = torch.empty(0)
+
+
+def norm_weight(norm):
+    """An RMSNorm's gains, or no tensor for an Identity slot (a plain Llama's sub norms)."""
+    return NO_TENSOR if isinstance(norm, nn.Identity) else norm.weight
+
+
+def decodes_in_cpp(model):
+    """Whether a fused model's one-token step is kernels.decode_step's: dense blocks, q/k/v
+    and gate/up fused, o_proj and down_proj plain packed layers, no q/k norms, each sub
+    norm an Identity or a SubLN at full strength, fp32 weights."""
+    plain = (type(model.lm_head) is Int8Head
+             and model.embed_tokens.weight.dtype == torch.float32)
+    for block in model.layers:
+        attention, mlp = block.self_attn, block.mlp
+        plain = plain and (type(attention) is FusedAttention and type(mlp) is FusedMLP
+                           and isinstance(attention.q_norm, nn.Identity)
+                           and plain_layer(attention.o_proj) and plain_layer(mlp.down_proj)
+                           and full_norm(attention.attn_sub_norm)
+                           and full_norm(mlp.ffn_sub_norm))
+    return plain
+
+
+def plain_layer(layer):
+    return (type(layer) is PackedBitLinear and layer.bias is None and layer.lrc_u is None
+            and layer.rms_norm is None)
+
+
+def full_norm(norm):
+    return isinstance(norm, nn.Identity) or getattr(norm, 'full', True)
+
+
 def fused_group(parts):
     """One FusedLinear of plain packed layers (no bias, correction or input norm; LoRA
     leaves its wrapped layers apart), or None; the layers' weights become views of its
@@ -407,6 +495,9 @@ def fuse(model):
     head.register_buffer('int8_weight', w8, persistent=False)
     head.register_buffer('int8_weight_scale', scale, persistent=False)
     head.__class__ = Int8Head
+    if type(model) is Transformer and decodes_in_cpp(model):
+        model.__class__ = FusedTransformer
+        model.step_tensors = step_tensors(model)
     return model
 
 

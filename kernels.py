@@ -98,13 +98,18 @@ def unpack(packed, K):
     return codes.view(packed.shape[0], -1)[:, :K].to(torch.int8) - 1
 
 
+# int8 rows are padded to whole steps of the C++ loop (64 columns), not to ternary blocks:
+# SmolLM2's head, 576 columns, would read a third more bytes at 768
+INT8_STEP = 64
+
+
 def pack_int8(w):
-    """An fp matrix (N, K) -> int8 rows (N, Kp), Kp = K rounded up to 256, and a scale
+    """An fp matrix (N, K) -> int8 rows (N, Kp), Kp = K rounded up to 64, and a scale
     per row (N,), absmax. For a matrix that is not ternary, an LM head: 4x fewer bytes
     than fp32. The ops below take such weights too, with per-token int16 activations."""
     scale = w.float().abs().amax(dim=1).clamp(min=1e-8) / 127
     w_q = (w.float() / scale[:, None]).round().to(torch.int8)
-    return F.pad(w_q, (0, -w.shape[1] % BLOCK)), scale
+    return F.pad(w_q, (0, -w.shape[1] % INT8_STEP)), scale
 
 
 def quantize(x, levels=127):
@@ -206,10 +211,32 @@ VNNI inline void block_vnni(const int8_t* x, const uint8_t* w, int64_t Kp, int64
   }
 }
 
-// the same block without VNNI: two 32-byte halves per 64-byte block
+// the same block without VNNI: two 32-byte halves per 64-byte block. u8 x s8 pairs are
+// summed to int16 (at most 2 * 2 * 128: no saturation). One token (decode) adds the four
+// bit pairs' int16 sums before widening them to int32 (at most 4 * 512 a lane): a third
+// fewer instructions per weight; a tile of tokens widens each, short of registers for that
 template <int MR, int NR>
 AVX2 inline void block_avx2(const int8_t* x, const uint8_t* w, int64_t Kp, int64_t k,
                             __m256i (&a)[MR][NR]) {
+  if constexpr (MR == 1) {
+    for (int h = 0; h < 64; h += 32) {
+      __m256i v[NR], p[NR];
+      for (int n = 0; n < NR; n++) {
+        v[n] = _mm256_loadu_si256((const __m256i*)(w + n * Kp / 4 + k / 4 + h));
+        p[n] = _mm256_setzero_si256();
+      }
+      for (int i = 0; i < 4; i++) {
+        __m256i xv = _mm256_loadu_si256((const __m256i*)(x + k + 64 * i + h));
+        for (int n = 0; n < NR; n++) {
+          __m256i c = _mm256_and_si256(_mm256_srli_epi16(v[n], 2 * i), _mm256_set1_epi8(3));
+          p[n] = _mm256_add_epi16(p[n], _mm256_maddubs_epi16(c, xv));
+        }
+      }
+      for (int n = 0; n < NR; n++)
+        a[0][n] = _mm256_add_epi32(a[0][n], _mm256_madd_epi16(p[n], _mm256_set1_epi16(1)));
+    }
+    return;
+  }
   for (int h = 0; h < 64; h += 32)
     for (int i = 0; i < 4; i++) {
       __m256i c[NR];
@@ -220,7 +247,6 @@ AVX2 inline void block_avx2(const int8_t* x, const uint8_t* w, int64_t Kp, int64
       for (int m = 0; m < MR; m++) {
         __m256i xv = _mm256_loadu_si256((const __m256i*)(x + m * Kp + k + 64 * i + h));
         for (int n = 0; n < NR; n++) {
-          // u8 x s8 pairs summed to int16 (at most 2 * 2 * 128: no saturation),
           __m256i p = _mm256_maddubs_epi16(c[n], xv);
           p = _mm256_madd_epi16(p, _mm256_set1_epi16(1));  // then pairs to int32
           a[m][n] = _mm256_add_epi32(a[m][n], p);
@@ -329,30 +355,23 @@ AVX2 float quantize(const float* x, int64_t K, int8_t* q, int32_t* sums) {
   return s;
 }
 
-torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma, int64_t isa) {
+// Y (M, N) = the op on X (M, K) float and W (N, Kp / 4) packed; G holds one gamma, one
+// per row (per_row: fused matrices), or one per row and block of 256 columns (blocks)
+void linear_into(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_t N,
+                 int64_t Kp, const float* G, bool per_row, bool blocks, int64_t isa,
+                 float* Y) {
   TORCH_CHECK(isa == 1 || isa == 2, "this CPU has neither AVX2 nor AVX-512 VNNI");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), Kp = 4 * w.size(1);
-  auto xf = x.to(torch::kFloat).contiguous();
-  // zero-padded to whole blocks
-  auto xq = torch::zeros({M, Kp}, x.options().dtype(torch::kChar));
+  std::vector<int8_t> xq(M * Kp);  // zero-padded to whole blocks
   const int64_t nb = Kp / 256;
   // sum x, per token and block and in all: sum q x = sum c x - sum x
   std::vector<int32_t> Sb(M * nb), S(M);
   std::vector<float> s(M);
   for (int64_t m = 0; m < M; m++) {
-    int8_t* q = xq.data_ptr<int8_t>() + m * Kp;
-    s[m] = quantize(xf.data_ptr<float>() + m * K, K, q, &Sb[m * nb]);
+    s[m] = quantize(x + m * K, K, &xq[m * Kp], &Sb[m * nb]);
     S[m] = std::accumulate(&Sb[m * nb], &Sb[m * nb] + nb, 0);
   }
-  // one gamma, one per row (fused matrices), or one per row and block of 256 columns
-  auto g = gamma.to(torch::kFloat).contiguous();
-  const float* G = g.data_ptr<float>();
-  const int64_t gs = g.numel() > 1;
-  const bool blocks = g.dim() == 2;
-  auto y = torch::empty({M, N}, xf.options());
-  const int8_t* X = xq.data_ptr<int8_t>();
-  const uint8_t* W = w.data_ptr<uint8_t>();
-  float* Y = y.data_ptr<float>();
+  const int64_t gs = per_row;
+  const int8_t* X = xq.data();
   // Decode streams a long row alone (one sequential read), short ones (up to 1024
   // columns: 1.2x faster at SmolLM2's 576) four at a time
   const int64_t R = M < 4 && Kp > 1024 ? 1 : 4;
@@ -384,14 +403,24 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma, int6
       }
     }
   });
+}
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor gamma, int64_t isa) {
+  auto xf = x.to(torch::kFloat).contiguous();
+  auto g = gamma.to(torch::kFloat).contiguous();
+  auto y = torch::empty({x.size(0), w.size(0)}, xf.options());
+  linear_into(xf.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<uint8_t>(), w.size(0),
+              4 * w.size(1), g.data_ptr<float>(), g.numel() > 1, g.dim() == 2, isa,
+              y.data_ptr<float>());
   return y;
 }
 
 // The LM head (kernels.pack_int8): int8 rows times activations quantized per token to
 // int16 (int8 cost SmolLM2 0.011 nats of held-out loss), exact integer sums as in the
-// ternary path. 32 weights are widened to int16 and multiplied in pairs into int32 per
-// instruction (AVX-512BW; plain C++ otherwise). A lane gains at most 2 * 32767 * 127 per
-// 64 columns, so a chunk of 4096 columns fits in int32; chunks are summed in int64.
+// ternary path. 32 weights (AVX-512BW; 16 with AVX2) are widened to int16 and multiplied
+// in pairs into int32 per instruction. A lane of the sum gains at most 4 * 32767 * 127
+// per 64 columns (AVX2; half that with AVX-512), so a chunk of 4096 columns fits in
+// int32; chunks are summed in int64.
 float quantize16(const float* x, int64_t K, int16_t* q) {
   float amax = 0;
   for (int64_t k = 0; k < K; k++) amax = std::max(amax, std::fabs(x[k]));
@@ -418,31 +447,221 @@ VNNI int64_t dot16_avx512(const int16_t* x, const int8_t* w, int64_t Kp) {
   return _mm512_reduce_add_epi64(total);
 }
 
-int64_t dot16(const int16_t* x, const int8_t* w, int64_t Kp) {
-  return std::inner_product(x, x + Kp, w, int64_t(0));
+AVX2 int64_t dot16_avx2(const int16_t* x, const int8_t* w, int64_t Kp) {
+  __m256i total = _mm256_setzero_si256();  // 4 int64 lanes
+  for (int64_t c = 0; c < Kp; c += 4096) {
+    __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+    for (int64_t k = c; k < std::min(Kp, c + 4096); k += 32) {
+      __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + k)));
+      __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + k + 16)));
+      __m256i x0 = _mm256_loadu_si256((const __m256i*)(x + k));
+      __m256i x1 = _mm256_loadu_si256((const __m256i*)(x + k + 16));
+      a = _mm256_add_epi32(a, _mm256_madd_epi16(w0, x0));
+      b = _mm256_add_epi32(b, _mm256_madd_epi16(w1, x1));
+    }
+    a = _mm256_add_epi32(a, b);
+    total = _mm256_add_epi64(total, _mm256_cvtepi32_epi64(_mm256_castsi256_si128(a)));
+    total = _mm256_add_epi64(total, _mm256_cvtepi32_epi64(_mm256_extracti128_si256(a, 1)));
+  }
+  int64_t lanes[4];
+  _mm256_storeu_si256((__m256i*)lanes, total);
+  return lanes[0] + lanes[1] + lanes[2] + lanes[3];
 }
 
-torch::Tensor linear_w8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, int64_t isa) {
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), Kp = w.size(1);
-  auto xf = x.to(torch::kFloat).contiguous();
-  // zero-padded, as the rows
-  auto xq = torch::zeros({M, Kp}, x.options().dtype(torch::kShort));
+// Y (M, N) = X (M, K) float times int8 rows W (N, Kp), a scale per row
+void linear_w8_into(const float* x, int64_t M, int64_t K, const int8_t* W, int64_t N,
+                    int64_t Kp, const float* G, int64_t isa, float* Y) {
+  TORCH_CHECK(isa == 1 || isa == 2, "this CPU has neither AVX2 nor AVX-512 VNNI");
+  std::vector<int16_t> xq(M * Kp);  // zero-padded, as the rows
   std::vector<float> s(M);
-  for (int64_t m = 0; m < M; m++)
-    s[m] = quantize16(xf.data_ptr<float>() + m * K, K, xq.data_ptr<int16_t>() + m * Kp);
-  auto sc = scale.to(torch::kFloat).contiguous();
-  auto y = torch::empty({M, N}, xf.options());
-  const int16_t* X = xq.data_ptr<int16_t>();
-  const int8_t* W = w.data_ptr<int8_t>();
-  const float* G = sc.data_ptr<float>();
-  float* Y = y.data_ptr<float>();
-  auto dot = isa == 2 ? dot16_avx512 : dot16;
+  for (int64_t m = 0; m < M; m++) s[m] = quantize16(x + m * K, K, &xq[m * Kp]);
+  const int16_t* X = xq.data();
+  auto dot = isa == 2 ? dot16_avx512 : dot16_avx2;
   at::parallel_for(0, N, std::max<int64_t>(1, 32768 / Kp), [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++)
       for (int m = 0; m < M; m++)
         Y[m * N + n] = float(dot(X + m * Kp, W + n * Kp, Kp)) * (G[n] / s[m]);
   });
+}
+
+torch::Tensor linear_w8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, int64_t isa) {
+  auto xf = x.to(torch::kFloat).contiguous();
+  auto sc = scale.to(torch::kFloat).contiguous();
+  auto y = torch::empty({x.size(0), w.size(0)}, xf.options());
+  linear_w8_into(xf.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<int8_t>(), w.size(0),
+                 w.size(1), sc.data_ptr<float>(), isa, y.data_ptr<float>());
   return y;
+}
+
+// ---- 5. a whole decode step (engine.FusedTransformer): one new token per row through
+// every block and the head in one call, model.py's ops in its order, with nothing between
+// them (eagerly, each op is a Python call and an ATen dispatch: about 75 a layer). The
+// projections and the head are linear_into and linear_w8_into, the op's own numbers; the
+// norms, RoPE, attention and the activation are the loops below, whose sums run in
+// another order than torch's: the logits agree to rounding, and the greedy tokens are
+// the same (tests/test_engine.py).
+
+// nn.RMSNorm: x * rsqrt(mean(x^2) + eps) * w; without w (an Identity slot), a copy
+void rms_norm(const float* x, const torch::Tensor& w, int64_t n, float eps, float* y) {
+  if (w.numel() == 0) {
+    std::copy(x, x + n, y);
+    return;
+  }
+  double squares = 0;
+  for (int64_t i = 0; i < n; i++) squares += double(x[i]) * x[i];
+  const float r = 1.0f / std::sqrt(float(squares / n) + eps);
+  const float* g = w.data_ptr<float>();
+  for (int64_t i = 0; i < n; i++) y[i] = x[i] * r * g[i];
+}
+
+// model.apply_rope on one head in place: x * cos + (-x2, x1) * sin, pairs (i, i + hs/2)
+void rope(float* x, const float* cos, const float* sin, int64_t hs) {
+  const int64_t half = hs / 2;
+  std::vector<float> y(hs);
+  for (int64_t i = 0; i < hs; i++) {
+    const float rotated = i < half ? -x[i + half] : x[i - half];
+    y[i] = x[i] * cos[i] + rotated * sin[i];
+  }
+  std::copy(y.begin(), y.end(), x);
+}
+
+// a . b in 8 lanes (a float sum in one order cannot be vectorized by the compiler)
+AVX2 float dot(const float* a, const float* b, int64_t n) {
+  __m256 lanes = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    lanes = _mm256_add_ps(lanes, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+  float part[8], total = 0;
+  _mm256_storeu_ps(part, lanes);
+  for (float v : part) total += v;
+  for (; i < n; i++) total += a[i] * b[i];
+  return total;
+}
+
+// softmax(q . k_t / sqrt(hs)) over the keys t < T it sees, times v_t, summed into y
+void attend(const float* q, const float* keys, const float* values,
+            const std::vector<char>& seen, int64_t T, int64_t hs, float* y) {
+  const float scale = 1.0f / std::sqrt(float(hs));
+  std::vector<float> p(T);
+  float top = -INFINITY;
+  for (int64_t t = 0; t < T; t++) {
+    if (!seen[t]) continue;
+    p[t] = dot(q, keys + t * hs, hs) * scale;
+    top = std::max(top, p[t]);
+  }
+  float total = 0;
+  for (int64_t t = 0; t < T; t++) {
+    p[t] = seen[t] ? std::exp(p[t] - top) : 0.0f;
+    total += p[t];
+  }
+  std::fill(y, y + hs, 0.0f);
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t i = 0; i < hs && p[t] != 0; i++) y[i] += p[t] * values[t * hs + i];
+  for (int64_t i = 0; i < hs; i++) y[i] /= total;
+}
+
+// Logits (B, V) of tokens (B,) at position pos. Each layer is 12 tensors, in the order
+// of the block's forward: input_layernorm, qkv packed and its gammas, attn_sub_norm,
+// o_proj and its gamma, post_attention_layernorm, gate_up and its gammas, ffn_sub_norm,
+// down_proj and its gamma (a sub norm empty where it is an Identity). caches[l] is the
+// layer's (2, B, n_kv_head, T_max, head_dim); valid (B, >= pos + 1), or empty, marks
+// the real tokens of left-padded rows. shape: n_head, n_kv_head, head_dim, sliding
+// window (0: none), relu2 (else SiLU), isa.
+torch::Tensor decode_step(torch::Tensor tokens, torch::Tensor embedding,
+                          std::vector<torch::Tensor> layers, std::vector<torch::Tensor> caches,
+                          torch::Tensor valid, int64_t pos, torch::Tensor cos, torch::Tensor sin,
+                          torch::Tensor norm, torch::Tensor head, torch::Tensor head_scale,
+                          std::vector<int64_t> shape, double eps) {
+  const int64_t nh = shape[0], nkv = shape[1], hs = shape[2], window = shape[3];
+  const bool relu2 = shape[4];
+  const int64_t isa = shape[5];
+  const int64_t B = tokens.size(0), C = embedding.size(1), V = head.size(0);
+  const int64_t Q = nh * hs, KV = nkv * hs, H = layers[7].size(0) / 2;
+  const int64_t T_max = caches[0].size(3);
+  TORCH_CHECK(pos < T_max, "position ", pos, " is past the cache's ", T_max);
+  for (const auto& t : layers)
+    TORCH_CHECK(t.is_contiguous() && (t.numel() == 0 || t.scalar_type() == torch::kByte ||
+                                      t.scalar_type() == torch::kFloat),
+                "decode_step takes contiguous float32 norms and gammas, uint8 matrices");
+  for (const auto& c : caches)
+    TORCH_CHECK(c.is_contiguous() && c.scalar_type() == torch::kFloat && c.size(1) == B,
+                "decode_step takes contiguous float32 caches of the batch's rows");
+  auto project = [&](const float* x, int64_t K, const torch::Tensor& w,
+                     const torch::Tensor& g, float* y) {
+    linear_into(x, B, K, w.data_ptr<uint8_t>(), w.size(0), 4 * w.size(1),
+                g.data_ptr<float>(), g.numel() > 1, g.dim() == 2, isa, y);
+  };
+  std::vector<float> x(B * C), h(B * C), qkv(B * (Q + 2 * KV)), sub(B * std::max(Q, H));
+  std::vector<float> attended(B * Q), out(B * C), gate_up(B * 2 * H), gated(B * H);
+  const float* E = embedding.data_ptr<float>();
+  auto token_of = tokens.accessor<int64_t, 1>();
+  for (int64_t b = 0; b < B; b++) {
+    const int64_t token = token_of[b];
+    TORCH_CHECK(0 <= token && token < embedding.size(0), "token ", token, " is out of range");
+    std::copy(E + token * C, E + (token + 1) * C, &x[b * C]);
+  }
+  const float* c = cos.data_ptr<float>() + pos * hs;
+  const float* s = sin.data_ptr<float>() + pos * hs;
+  // the keys each row's query sees: its real tokens within the window, and itself
+  std::vector<std::vector<char>> seen(B, std::vector<char>(pos + 1));
+  auto real = valid.numel() ? valid : torch::ones({B, pos + 1}, torch::kBool);
+  auto real_of = real.accessor<bool, 2>();
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t t = 0; t <= pos; t++) {
+      const bool is_real = real_of[b][t];
+      seen[b][t] = t == pos || (is_real && (window == 0 || t > pos - window));
+    }
+  for (size_t l = 0; l < caches.size(); l++) {
+    const torch::Tensor* L = &layers[12 * l];
+    float* cache = caches[l].data_ptr<float>();
+    for (int64_t b = 0; b < B; b++) rms_norm(&x[b * C], L[0], C, eps, &h[b * C]);
+    project(h.data(), C, L[1], L[2], qkv.data());
+    for (int64_t b = 0; b < B; b++) {
+      float* q = &qkv[b * (Q + 2 * KV)];
+      float* k = q + Q;
+      const float* v = k + KV;
+      for (int64_t i = 0; i < nh; i++) rope(q + i * hs, c, s, hs);
+      for (int64_t g = 0; g < nkv; g++) {
+        rope(k + g * hs, c, s, hs);
+        float* keys = cache + ((0 * B + b) * nkv + g) * T_max * hs;
+        float* values = cache + ((1 * B + b) * nkv + g) * T_max * hs;
+        std::copy(k + g * hs, k + (g + 1) * hs, keys + pos * hs);
+        std::copy(v + g * hs, v + (g + 1) * hs, values + pos * hs);
+      }
+    }
+    // the threads split the rows' heads; head i reads kv head i / (nh / nkv) (GQA)
+    at::parallel_for(0, B * nh, 1, [&](int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; j++) {
+        const int64_t b = j / nh, i = j % nh, g = i / (nh / nkv);
+        const float* keys = cache + ((0 * B + b) * nkv + g) * T_max * hs;
+        const float* values = cache + ((1 * B + b) * nkv + g) * T_max * hs;
+        const float* q = &qkv[b * (Q + 2 * KV) + i * hs];
+        attend(q, keys, values, seen[b], pos + 1, hs, &attended[b * Q + i * hs]);
+      }
+    });
+    for (int64_t b = 0; b < B; b++) rms_norm(&attended[b * Q], L[3], Q, eps, &sub[b * Q]);
+    project(sub.data(), Q, L[4], L[5], out.data());
+    for (int64_t i = 0; i < B * C; i++) x[i] = x[i] + out[i];
+    for (int64_t b = 0; b < B; b++) rms_norm(&x[b * C], L[6], C, eps, &h[b * C]);
+    project(h.data(), C, L[7], L[8], gate_up.data());
+    at::parallel_for(0, B * H, 512, [&](int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; j++) {
+        const int64_t b = j / H, i = j % H;
+        const float g = gate_up[b * 2 * H + i], u = gate_up[b * 2 * H + H + i];
+        const float active = relu2 ? std::max(g, 0.0f) * std::max(g, 0.0f)
+                                   : g / (1.0f + std::exp(-g));
+        gated[j] = active * u;
+      }
+    });
+    for (int64_t b = 0; b < B; b++) rms_norm(&gated[b * H], L[9], H, eps, &sub[b * H]);
+    project(sub.data(), H, L[10], L[11], out.data());
+    for (int64_t i = 0; i < B * C; i++) x[i] = x[i] + out[i];
+  }
+  for (int64_t b = 0; b < B; b++) rms_norm(&x[b * C], norm, C, eps, &h[b * C]);
+  auto logits = torch::empty({B, V}, embedding.options());
+  linear_w8_into(h.data(), B, C, head.data_ptr<int8_t>(), V, head.size(1),
+                 head_scale.data_ptr<float>(), isa, logits.data_ptr<float>());
+  return logits;
 }
 """
 
@@ -467,8 +686,9 @@ def built(name, *sources, **options):
 
 @functools.cache
 def cpp_extension():
-    return built('nanobitnet_cpu', CPP, functions=['linear', 'linear_w8', 'simd'],
-                 extra_cflags=['-O3', '-fopenmp'], extra_ldflags=['-fopenmp'])
+    return built('nanobitnet_cpu', CPP, functions=['linear', 'linear_w8', 'simd', 'decode_step'],
+                 extra_cflags=['-O3', '-fopenmp', '-ffp-contract=off'],
+                 extra_ldflags=['-fopenmp'])
 
 
 def linear_cpp(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:

@@ -114,6 +114,86 @@ def test_graph_decoder_continues_as_generate(kind, device):
     assert torch.equal(cache[0], fixed[0])  # the first block's exactly: its input is the same
 
 
+ONE_CALL_MODELS = {
+    'GQA, SubLN, a gamma per matrix': dict(n_kv_head=2, subln=True),
+    'a gamma per row, ReLU^2': dict(weight_scale='row', act='relu2', subln=True),
+    'a gamma per block, no SubLN': dict(n_embd=256, intermediate_size=512, weight_scale='block'),
+    'Mistral, window 6': dict(n_kv_head=2, sliding_window=6, family='mistral', subln=True),
+}
+
+
+def eager_twin(fused):
+    """The same fused modules, stepped op by op by Transformer's forward."""
+    eager = copy.deepcopy(fused)
+    eager.__class__ = Transformer
+    return eager
+
+
+@pytest.mark.parametrize('kind', ONE_CALL_MODELS)
+def test_the_one_call_decode_step_is_the_eager_step(kind):
+    """engine.fuse's FusedTransformer runs a one-token step with a cache as one C++ call
+    (kernels.decode_step, no module called): the eager step's logits to rounding and the same keys
+    and values written at the position, for a batch whose second row is left-padded (masked keys)
+    and through a sliding window; greedy generate and batched rollouts pick the same tokens."""
+    from engine import FusedTransformer, rollout
+    from kernels import best
+    if best('cpu') != 'cpp':
+        pytest.skip("no C++ compiler, or a CPU without AVX2: decode steps run eagerly")
+    torch.manual_seed(0)
+    shape = dict(vocab_size=300, n_layer=3, n_embd=64, n_head=4, intermediate_size=96, max_seq_len=48)
+    cfg = ModelConfig(**shape | ONE_CALL_MODELS[kind], bitnet=True)
+    fused = fuse(Transformer(cfg).eval().freeze())
+    eager = eager_twin(fused)
+    assert type(fused) is FusedTransformer
+    calls = []
+    fused.layers[0].register_forward_hook(lambda *args: calls.append(1))
+    cache = [torch.randn(2, 2, cfg.n_kv_head, 24, cfg.head_dim) for _ in range(cfg.n_layer)]
+    theirs = [c.clone() for c in cache]
+    valid = torch.ones(2, 24, dtype=torch.bool)
+    valid[1, :17] = False  # row 1 is left-padded to position 16 (inside Mistral's window at 20)
+    x = tokens(300, B=2, T=1)
+    with torch.no_grad():
+        got = fused(x, cache, 20, valid=valid[:, :21])
+        want = eager(x, theirs, 20, valid=valid[:, :21])
+        unmasked = fused(x, [c.clone() for c in cache], 20)
+    assert not calls and got.shape == want.shape == (2, 1, 300)
+    assert (got - want).abs().max() < 1e-4 * want.abs().max()
+    assert torch.equal(unmasked[0], got[0]) and not torch.equal(unmasked[1], got[1])
+    for a, b in zip(cache, theirs):
+        assert torch.equal(a[..., :20, :], b[..., :20, :]) and torch.equal(a[..., 21:, :], b[..., 21:, :])
+        assert (a[..., 20, :] - b[..., 20, :]).abs().max() < 1e-4 * b.abs().max()
+    idx = tokens(300, B=2, T=7)
+    assert torch.equal(generate(fused, idx, 16, temperature=0), generate(eager, idx, 16, temperature=0))
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13]]
+    ours, theirs = rollout(fused, prompts, 12, temperature=0), rollout(eager, prompts, 12, temperature=0)
+    assert all(torch.equal(a, b) for a, b in zip(ours[:3], theirs[:3]))
+    # log-probabilities to rounding: a norm's last bit (torch sums x^2 in another order) can move an
+    # activation's int8 code by one, a step of 1/127 of the row's absmax
+    assert (ours[3] - theirs[3]).abs().max() < 0.05
+
+
+@pytest.mark.parametrize('kind', ['q/k norms', 'biases', 'mixture of experts', 'SubLN at half strength'])
+def test_a_model_the_one_call_step_cannot_run_decodes_eagerly(kind):
+    """What kernels.decode_step does not compute (Qwen3's q/k norms, biases, experts, a SubLN blending
+    in its input) leaves fuse's model a Transformer, whose cached decode is its full forwards'."""
+    from bitlinear import set_lambda
+    torch.manual_seed(0)
+    extra = {'q/k norms': dict(qk_norm=True, family='qwen3'), 'biases': dict(attention_bias=True),
+             'mixture of experts': dict(n_experts=4, top_k=2, moe_intermediate_size=16),
+             'SubLN at half strength': dict(subln=True)}[kind]
+    cfg = ModelConfig(vocab_size=300, n_layer=2, n_embd=64, n_head=4, intermediate_size=96, bitnet=True, **extra)
+    packed = Transformer(cfg).eval().freeze()
+    if kind == 'SubLN at half strength':
+        set_lambda(packed, 0.5)
+    fused = fuse(packed)
+    assert type(fused) is Transformer
+    seq = idx = tokens(300, B=1, T=5)
+    with torch.no_grad():  # greedy decoding without a cache, one full forward per token
+        for _ in range(6):
+            seq = torch.cat((seq, fused(seq)[:, -1].argmax(-1, keepdim=True)), dim=1)
+    assert torch.equal(generate(fused, idx, 6, temperature=0), seq)
+
+
 def test_profile_token_times_every_part_and_puts_everything_back():
     """Packed and fused: every part timed, the parts adding up to the token, and the model
     left as it was (no hook, the same modules) and decoding alike."""
