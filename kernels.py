@@ -189,6 +189,7 @@ CPP = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <chrono>
 #include <numeric>
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
 #define AVX2 __attribute__((target("avx2")))
@@ -560,18 +561,34 @@ void attend(const float* q, const float* keys, const float* values,
   for (int64_t i = 0; i < hs; i++) y[i] /= total;
 }
 
+// bench.py's profile of a step: the seconds since the last lap added to times[part]
+// (0 head, 1 projections, 2 attention, 3 the rest); with no times, nothing is timed
+struct Laps {
+  double* times;
+  std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
+  void lap(int part) {
+    if (!times) return;
+    const auto now = std::chrono::steady_clock::now();
+    times[part] += std::chrono::duration<double>(now - last).count();
+    last = now;
+  }
+};
+enum { HEAD, PROJECTIONS, ATTENTION, REST };
+
 // Logits (B, V) of tokens (B,) at position pos. Each layer is 12 tensors, in the order
 // of the block's forward: input_layernorm, qkv packed and its gammas, attn_sub_norm,
 // o_proj and its gamma, post_attention_layernorm, gate_up and its gammas, ffn_sub_norm,
 // down_proj and its gamma (a sub norm empty where it is an Identity). caches[l] is the
 // layer's (2, B, n_kv_head, T_max, head_dim); valid (B, >= pos + 1), or empty, marks
 // the real tokens of left-padded rows. shape: n_head, n_kv_head, head_dim, sliding
-// window (0: none), relu2 (else SiLU), isa.
+// window (0: none), relu2 (else SiLU), isa. times: float64 (4,) to add the parts' seconds
+// to (Laps), or empty.
 torch::Tensor decode_step(torch::Tensor tokens, torch::Tensor embedding,
                           std::vector<torch::Tensor> layers, std::vector<torch::Tensor> caches,
                           torch::Tensor valid, int64_t pos, torch::Tensor cos, torch::Tensor sin,
                           torch::Tensor norm, torch::Tensor head, torch::Tensor head_scale,
-                          std::vector<int64_t> shape, double eps) {
+                          std::vector<int64_t> shape, double eps, torch::Tensor times) {
+  Laps laps{times.numel() ? times.data_ptr<double>() : nullptr};
   const int64_t nh = shape[0], nkv = shape[1], hs = shape[2], window = shape[3];
   const bool relu2 = shape[4];
   const int64_t isa = shape[5];
@@ -611,11 +628,14 @@ torch::Tensor decode_step(torch::Tensor tokens, torch::Tensor embedding,
       const bool is_real = real_of[b][t];
       seen[b][t] = t == pos || (is_real && (window == 0 || t > pos - window));
     }
+  laps.lap(REST);
   for (size_t l = 0; l < caches.size(); l++) {
     const torch::Tensor* L = &layers[12 * l];
     float* cache = caches[l].data_ptr<float>();
     for (int64_t b = 0; b < B; b++) rms_norm(&x[b * C], L[0], C, eps, &h[b * C]);
+    laps.lap(REST);
     project(h.data(), C, L[1], L[2], qkv.data());
+    laps.lap(PROJECTIONS);
     for (int64_t b = 0; b < B; b++) {
       float* q = &qkv[b * (Q + 2 * KV)];
       float* k = q + Q;
@@ -639,11 +659,16 @@ torch::Tensor decode_step(torch::Tensor tokens, torch::Tensor embedding,
         attend(q, keys, values, seen[b], pos + 1, hs, &attended[b * Q + i * hs]);
       }
     });
+    laps.lap(ATTENTION);
     for (int64_t b = 0; b < B; b++) rms_norm(&attended[b * Q], L[3], Q, eps, &sub[b * Q]);
+    laps.lap(REST);
     project(sub.data(), Q, L[4], L[5], out.data());
+    laps.lap(PROJECTIONS);
     for (int64_t i = 0; i < B * C; i++) x[i] = x[i] + out[i];
     for (int64_t b = 0; b < B; b++) rms_norm(&x[b * C], L[6], C, eps, &h[b * C]);
+    laps.lap(REST);
     project(h.data(), C, L[7], L[8], gate_up.data());
+    laps.lap(PROJECTIONS);
     at::parallel_for(0, B * H, 512, [&](int64_t j0, int64_t j1) {
       for (int64_t j = j0; j < j1; j++) {
         const int64_t b = j / H, i = j % H;
@@ -654,13 +679,17 @@ torch::Tensor decode_step(torch::Tensor tokens, torch::Tensor embedding,
       }
     });
     for (int64_t b = 0; b < B; b++) rms_norm(&gated[b * H], L[9], H, eps, &sub[b * H]);
+    laps.lap(REST);
     project(sub.data(), H, L[10], L[11], out.data());
+    laps.lap(PROJECTIONS);
     for (int64_t i = 0; i < B * C; i++) x[i] = x[i] + out[i];
   }
   for (int64_t b = 0; b < B; b++) rms_norm(&x[b * C], norm, C, eps, &h[b * C]);
   auto logits = torch::empty({B, V}, embedding.options());
+  laps.lap(REST);
   linear_w8_into(h.data(), B, C, head.data_ptr<int8_t>(), V, head.size(1),
                  head_scale.data_ptr<float>(), isa, logits.data_ptr<float>());
+  laps.lap(HEAD);
   return logits;
 }
 """

@@ -172,6 +172,30 @@ def test_the_one_call_decode_step_is_the_eager_step(kind):
     assert (ours[3] - theirs[3]).abs().max() < 0.05
 
 
+def test_the_one_call_step_times_its_parts_and_decodes_alike():
+    """bench.py's profile of a one-call step: with step_times, kernels.decode_step adds each
+    part's seconds (head, projections, attention, the rest), together at most the generate's
+    wall time; the tokens are the untimed step's."""
+    import time
+    from engine import FusedTransformer
+    from kernels import best
+    if best('cpu') != 'cpp':
+        pytest.skip("no C++ compiler, or a CPU without AVX2: decode steps run eagerly")
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=300, n_layer=2, n_embd=64, n_head=4, n_kv_head=2,
+                      intermediate_size=96, bitnet=True)
+    fused = fuse(Transformer(cfg).eval().freeze())
+    assert type(fused) is FusedTransformer
+    idx = tokens(300, B=1, T=5)
+    want = generate(fused, idx, 8, temperature=0)
+    fused.step_times = torch.zeros(4, dtype=torch.float64)
+    t0 = time.perf_counter()
+    got = generate(fused, idx, 8, temperature=0)
+    wall = time.perf_counter() - t0
+    assert torch.equal(got, want)
+    assert (fused.step_times > 0).all() and fused.step_times.sum() < wall
+
+
 @pytest.mark.parametrize('kind', ['q/k norms', 'biases', 'mixture of experts', 'SubLN at half strength'])
 def test_a_model_the_one_call_step_cannot_run_decodes_eagerly(kind):
     """What kernels.decode_step does not compute (Qwen3's q/k norms, biases, experts, a SubLN blending
