@@ -440,9 +440,9 @@ class Rollouts:
             texts.append(self.enc.decode([t for t in new if t not in self.stop_ids]))
         return texts
 
-    def heldout_scores(self, model, temperature=0.0, seed=0):
+    def heldout_scores(self, model, temperature=0.0, seed=0, batch=50):
         """Each reward's mean over the held-out prompts' completions (heldout_texts)."""
-        texts = self.heldout_texts(model, temperature, seed)
+        texts = self.heldout_texts(model, temperature, seed, batch)
         return self.mean_scores(texts)
 
     def mean_scores(self, texts):
@@ -451,16 +451,32 @@ class Rollouts:
         return {f'heldout_{name}': means[i].item() for i, name in enumerate(self.rewards)}
 
 
+@torch.no_grad()
+def logit_gap(model, enc, prompt, ours, theirs):
+    """How near a tie the greedy pick was where two completions of `prompt` (token ids) part:
+    at their first differing token, our model's logit of `ours`'s token minus `theirs`'s, in
+    one forward pass over the prompt and the shared start. None where one text is the start
+    of the other (they part at a stop token)."""
+    a, b = enc.encode(ours), enc.encode(theirs)
+    parted = [j for j, (u, v) in enumerate(zip(a, b)) if u != v]
+    if not parted:
+        return None
+    k = parted[0]
+    logits = model(torch.tensor([prompt + a[:k]]))[0, -1].float()
+    return round((logits[a[k]] - logits[b[k]]).item(), 3)
+
+
 def main(argv):
     """python rl.py: write the offline task and print where. With --ckpt=DIR (what sample.py
     takes): that model's scores on --split (val, test, beyond: arithmetic_splits; heldout:
     the first split's), greedy, or sampled at --temperature once per --seeds=0,1,2 (the
     spread an untrained model shows by chance). With --gguf=FILE, its
     export beside it: both answer greedily, the GGUF through llama.cpp; their scores, how
-    many completions are the same, and each pair that is not."""
+    many completions are the same, and each pair that is not, with our logit_gap where they
+    part. Ours decodes --batch prompts at a time."""
     settings = dict(ckpt='', split='val', max_new_tokens=48, rewards='correct_answer,format',
-                    temperature=0.0, seeds='0', gguf='')
-    ranges = {'max_new_tokens': 'positive', 'temperature': 'non-negative',
+                    temperature=0.0, seeds='0', gguf='', batch=50)
+    ranges = {'max_new_tokens': 'positive', 'temperature': 'non-negative', 'batch': 'positive',
               'rewards': 'non-empty', 'seeds': 'non-empty',
               'split': ('val', 'test', 'beyond', 'wide', 'heldout')}
     c = configure(settings, words(argv, most=0)[1], ranges)
@@ -487,16 +503,17 @@ def main(argv):
             theirs = scorer.gguf_texts(c['gguf'])
         except (ImportError, ValueError) as e:
             raise SystemExit(f"error: {c['gguf']}: {e}") from None
-        ours = scorer.heldout_texts(model)
+        ours = scorer.heldout_texts(model, batch=c['batch'])
         same = sum(a == b for a, b in zip(ours, theirs))
         print(json.dumps(dict(ours=scorer.mean_scores(ours), llama_cpp=scorer.mean_scores(theirs),
                               same_completions=same, of=len(ours))), flush=True)
         for i, (a, b) in enumerate(zip(ours, theirs)):
             if a != b:
-                print(json.dumps(dict(problem=i, ours=a, llama_cpp=b)), flush=True)
+                gap = logit_gap(model, enc, scorer.heldout[i]['tokens'], a, b)
+                print(json.dumps(dict(problem=i, ours=a, llama_cpp=b, logit_gap=gap)), flush=True)
         return
     for seed in seeds:
-        scores = scorer.heldout_scores(model, c['temperature'], int(seed))
+        scores = scorer.heldout_scores(model, c['temperature'], int(seed), c['batch'])
         print(json.dumps(dict(temperature=c['temperature'], seed=int(seed), **scores)),
               flush=True)
 

@@ -100,6 +100,7 @@ MISTAKES = [  # (script and arguments, what the one line must name)
     ('sweep.py {root}/arm_out_of_range.py', "arm 'a': learning_rate=0.0"),
     ('rl.py --ckpt=x --max_new_tokens=0', 'max_new_tokens'),
     ('rl.py --ckpt=x --seeds=one', 'seeds'),
+    ('rl.py --ckpt=x --batch=0', 'batch'),
     ('bench.py kernals', 'kernals'),
     ('bench.py --rounds=3', 'rounds'),
 ]

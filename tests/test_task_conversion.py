@@ -207,7 +207,7 @@ def test_rl_scores_a_gguf_export_beside_its_checkpoint(tmp_path):
     summary, differing = lines[0], lines[1:]
     assert summary['of'] == 200 and summary['same_completions'] >= 190
     assert len(differing) == 200 - summary['same_completions']
-    assert all(d['ours'] != d['llama_cpp'] for d in differing)
+    assert all(d['ours'] != d['llama_cpp'] and 'logit_gap' in d for d in differing)
     assert set(summary['ours']) == set(summary['llama_cpp']) == {'heldout_correct_answer', 'heldout_format'}
 
     r = subprocess.run([sys.executable, 'rl.py', f'--ckpt={folder}', f'--gguf={tmp_path / "none.gguf"}'],
@@ -217,6 +217,28 @@ def test_rl_scores_a_gguf_export_beside_its_checkpoint(tmp_path):
     r = subprocess.run([sys.executable, 'rl.py', f'--ckpt={folder}', f'--gguf={tmp_path / "bad.gguf"}'],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and r.stderr.strip().count('\n') == 0 and 'bad.gguf' in r.stderr, r.stderr
+
+
+def test_logit_gap_is_our_lead_where_two_completions_part():
+    """rl.logit_gap, what rl.py --gguf prints beside each differing pair: at the first token where
+    the two completions differ, our logit of ours minus theirs. Here it is read off one forward
+    pass over the prompt and the whole of ours (causal: the same logits)."""
+    from rl import logit_gap
+    from tokenizer import get_tokenizer
+    enc = get_tokenizer('bytes')
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=enc.n_vocab, n_layer=1, n_embd=64, n_head=2, n_kv_head=2,
+                                    intermediate_size=128, max_seq_len=64)).eval()
+    prompt = enc.encode('What is 8 times 8? ')
+    ours, theirs = '#### 48', '#### 68'
+    a = enc.encode(ours)
+    assert len(a) == len(ours)  # a byte a token: they part at token 5, '4' against '6'
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + a]))[0, len(prompt) + 4]
+    want = logits[enc.encode('4')[0]] - logits[enc.encode('6')[0]]
+    assert logit_gap(model, enc, prompt, ours, theirs) == pytest.approx(want.item(), abs=1e-3)
+    assert logit_gap(model, enc, prompt, theirs, ours) == pytest.approx(-want.item(), abs=1e-3)
+    assert logit_gap(model, enc, prompt, ours, ours + '!') is None  # they part at a stop token
 
 
 def facts_of(rows):
