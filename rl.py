@@ -453,10 +453,10 @@ class Rollouts:
 
 @torch.no_grad()
 def logit_gap(model, enc, prompt, ours, theirs):
-    """How near a tie the greedy pick was where two completions of `prompt` (token ids) part:
-    at their first differing token, our model's logit of `ours`'s token minus `theirs`'s, in
-    one forward pass over the prompt and the shared start. None where one text is the start
-    of the other (they part at a stop token)."""
+    """How near a tie the greedy pick was where two completions of `prompt` (token
+    ids) part: at their first differing token, our model's logit of `ours`'s token
+    minus `theirs`'s, in one forward pass over the prompt and the shared start. None
+    where one text is the start of the other (they part at a stop token)."""
     a, b = enc.encode(ours), enc.encode(theirs)
     parted = [j for j, (u, v) in enumerate(zip(a, b)) if u != v]
     if not parted:
@@ -472,11 +472,12 @@ def main(argv):
     the first split's), greedy, or sampled at --temperature once per --seeds=0,1,2 (the
     spread an untrained model shows by chance). With --gguf=FILE, its
     export beside it: both answer greedily, the GGUF through llama.cpp; their scores, how
-    many completions are the same, and each pair that is not, with our logit_gap where they
-    part. Ours decodes --batch prompts at a time."""
+    many completions are the same, and each pair that is not, with our logit_gap where
+    they part. Ours decodes --batch prompts at a time."""
     settings = dict(ckpt='', split='val', max_new_tokens=48, rewards='correct_answer,format',
                     temperature=0.0, seeds='0', gguf='', batch=50)
-    ranges = {'max_new_tokens': 'positive', 'temperature': 'non-negative', 'batch': 'positive',
+    ranges = {'max_new_tokens': 'positive', 'temperature': 'non-negative',
+              'batch': 'positive',
               'rewards': 'non-empty', 'seeds': 'non-empty',
               'split': ('val', 'test', 'beyond', 'wide', 'heldout')}
     c = configure(settings, words(argv, most=0)[1], ranges)
@@ -510,7 +511,8 @@ def main(argv):
         for i, (a, b) in enumerate(zip(ours, theirs)):
             if a != b:
                 gap = logit_gap(model, enc, scorer.heldout[i]['tokens'], a, b)
-                print(json.dumps(dict(problem=i, ours=a, llama_cpp=b, logit_gap=gap)), flush=True)
+                pair = dict(problem=i, ours=a, llama_cpp=b, logit_gap=gap)
+                print(json.dumps(pair), flush=True)
         return
     for seed in seeds:
         scores = scorer.heldout_scores(model, c['temperature'], int(seed), c['batch'])
